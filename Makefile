@@ -1,0 +1,35 @@
+# The two commands: `make serve` and `make test`. Each creates .venv and installs everything on first use.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+# The torch pair that installs together on the reference machine kind (CPU inference works with it).
+TORCH_PINS := torch==2.14.1 torchvision==0.29.1
+STAMP  := $(VENV)/.installed
+
+.PHONY: serve test compare bench clean help
+
+help:
+	@echo "make serve    create .venv, install, start gunicorn -k gevent on \$$GREENSERVE_BIND (127.0.0.1:8000)"
+	@echo "make test     create .venv, install, run the test suite"
+	@echo "make compare  gevent vs asyncio comparison (QUICK=1 for a short run)"
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+
+$(STAMP): $(BIN)/python setup.cfg setup.py
+	$(BIN)/pip install --quiet $(TORCH_PINS)
+	$(BIN)/pip install --quiet -e '.[test,bench]'
+	touch $(STAMP)
+
+serve: $(STAMP)
+	$(BIN)/gunicorn -c gunicorn.conf.py wsgi:app
+
+test: $(STAMP)
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+compare: $(STAMP)
+	$(BIN)/python -m bench.compare $(if $(QUICK),--quick,)
+
+clean:
+	rm -rf $(VENV) *.egg-info .pytest_cache

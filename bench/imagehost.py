@@ -1,0 +1,198 @@
+"""A real local HTTP image host with fault knobs, for the tests and the benchmarks.
+
+Serves in-memory blobs and/or a directory on 127.0.0.1. Per-request knobs in the query string:
+
+    delay=S        wait S seconds before answering (also settable host-wide: ``latency_s``)
+    status=N       answer with status N (retry_after=S adds a Retry-After header)
+    fail=K         answer 503 for the first K requests of this path+query, then serve normally
+    redirect=URL   302 to URL (hops=N chains N redirects to this same path first)
+    drip=S         send the body one byte every S seconds
+    endless=1      an endless body without Content-Length
+    ctype=T        Content-Type T instead of the one guessed from the name
+    length=N       declare Content-Length N whatever the body is
+    gzip=1         send the body gzip-encoded (Content-Encoding: gzip)
+    reset=1        reset the connection (RST) instead of answering
+
+``python -m bench.imagehost --dir DIR --port P [--latency-ms L]`` runs it standalone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import mimetypes
+import os
+import socket
+import struct
+import threading
+import time
+from collections import Counter
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from urllib.parse import parse_qs, urlsplit
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+    request_queue_size = 256
+
+    def __init__(self, host: "ImageHost") -> None:
+        self.host = host
+        super().__init__((host.bind, host.port), _Handler)
+
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    server: _Server
+
+    def log_message(self, format: str, *args: object) -> None:  # quiet: tests read ``host.hits``
+        pass
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server's naming
+        host = self.server.host
+        parts = urlsplit(self.path)
+        q = {k: v[-1] for k, v in parse_qs(parts.query).items()}
+        name = parts.path.lstrip("/")
+        with host.lock:
+            host.hits[parts.path] += 1
+            host.hits_full[self.path] += 1
+            seen = host.hits_full[self.path]
+            host.headers_seen.append(dict(self.headers))
+        delay = float(q.get("delay", host.latency_s))
+        if delay:
+            time.sleep(delay)
+        if q.get("reset"):
+            self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            self.connection.close()
+            self.close_connection = True
+            return
+        if "fail" in q and seen <= int(q["fail"]):
+            return self._plain(503, b"try again", {"Retry-After": q.get("retry_after", "0")})
+        if "status" in q:
+            extra = {"Retry-After": q["retry_after"]} if "retry_after" in q else {}
+            return self._plain(int(q["status"]), b"status knob", extra)
+        if "redirect" in q:
+            hops = int(q.get("hops", "0"))
+            if hops > 0:
+                rest = parts.query.replace(f"hops={hops}", f"hops={hops - 1}")
+                return self._plain(302, b"", {"Location": f"{parts.path}?{rest}"})
+            return self._plain(302, b"", {"Location": q["redirect"]})
+        if q.get("endless"):
+            return self._endless(q.get("ctype", "image/jpeg"))
+        body = host.get(name)
+        if body is None:
+            return self._plain(404, b"no such image", {})
+        ctype = q.get("ctype") or mimetypes.guess_type(name)[0] or "application/octet-stream"
+        headers = {"Content-Type": ctype}
+        if q.get("gzip"):
+            body = gzip.compress(body)
+            headers["Content-Encoding"] = "gzip"
+        headers["Content-Length"] = q.get("length", str(len(body)))
+        self._send(200, headers)
+        if "drip" in q:
+            step = float(q["drip"])
+            try:
+                for i in range(len(body)):
+                    self.wfile.write(body[i:i + 1])
+                    self.wfile.flush()
+                    time.sleep(step)
+            except OSError:
+                pass  # the client gave up: that is what drip tests expect
+            return
+        try:
+            self.wfile.write(body)
+        except OSError:
+            pass  # the client hung up mid-body (a byte cap or a deadline): nothing left to do
+
+    def _send(self, status: int, headers: dict[str, str]) -> None:
+        self.send_response(status)
+        for k, v in headers.items():
+            self.send_header(k, v)
+        self.end_headers()
+
+    def _plain(self, status: int, body: bytes, headers: dict[str, str]) -> None:
+        self._send(status, {"Content-Type": "text/plain", "Content-Length": str(len(body)), **headers})
+        self.wfile.write(body)
+
+    def _endless(self, ctype: str) -> None:
+        self.send_response(200)
+        self.send_header("Content-Type", ctype)
+        self.send_header("Connection", "close")
+        self.end_headers()
+        self.close_connection = True
+        chunk = b"\xff" * 65536
+        deadline = time.monotonic() + 60  # bounded: a test host must stop by itself
+        try:
+            while time.monotonic() < deadline:
+                self.wfile.write(chunk)
+        except OSError:
+            pass
+
+
+class ImageHost:
+    """``with ImageHost(blobs) as host: host.url("a.jpg")``."""
+
+    def __init__(self, blobs: dict[str, bytes] | None = None, *, directory: str | os.PathLike | None = None,
+                 bind: str = "127.0.0.1", port: int = 0, latency_s: float = 0.0) -> None:
+        self.blobs = dict(blobs or {})
+        self.directory = Path(directory) if directory else None
+        self.bind, self.port, self.latency_s = bind, port, latency_s
+        self.lock = threading.Lock()
+        self.hits: Counter[str] = Counter()
+        self.hits_full: Counter[str] = Counter()
+        self.headers_seen: list[dict[str, str]] = []
+        self._server: _Server | None = None
+
+    def get(self, name: str) -> bytes | None:
+        if name in self.blobs:
+            return self.blobs[name]
+        if self.directory:
+            path = (self.directory / name).resolve()
+            if path.is_file() and self.directory.resolve() in path.parents:
+                return path.read_bytes()
+        return None
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.bind}:{self.port}/"
+
+    def url(self, name: str, **knobs: object) -> str:
+        query = "&".join(f"{k}={v}" for k, v in knobs.items())
+        return self.base_url + name + (f"?{query}" if query else "")
+
+    def start(self) -> "ImageHost":
+        self._server = _Server(self)
+        self.port = self._server.server_address[1]
+        threading.Thread(target=self._server.serve_forever, name="imagehost", daemon=True).start()
+        return self
+
+    def stop(self) -> None:
+        if self._server:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+
+    def __enter__(self) -> "ImageHost":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dir", required=True)
+    parser.add_argument("--port", type=int, default=0)
+    parser.add_argument("--latency-ms", type=float, default=0.0)
+    args = parser.parse_args()
+    host = ImageHost(directory=args.dir, port=args.port, latency_s=args.latency_ms / 1000).start()
+    print(host.base_url, flush=True)
+    try:
+        threading.Event().wait()
+    except KeyboardInterrupt:
+        host.stop()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,89 @@
+"""Start and stop a real ``gunicorn -k gevent`` greenserve on 127.0.0.1 (used by e2e tests and benchmarks)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import requests
+
+ROOT = Path(__file__).resolve().parent.parent
+READY_LINE = "model ready:"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class GunicornServer:
+    """``with GunicornServer({"GREENSERVE_MODEL": "resnet18"}, workers=2) as srv: srv.url``."""
+
+    def __init__(self, env: dict[str, str], *, workers: int = 2, port: int | None = None,
+                 ready_timeout_s: float = 120.0, extra_args: list[str] | None = None) -> None:
+        self.port = port or free_port()
+        self.workers = workers
+        self.ready_timeout_s = ready_timeout_s
+        self.env = {k: v for k, v in os.environ.items() if not k.startswith("GREENSERVE_")}
+        self.env.update({"GREENSERVE_BIND": f"127.0.0.1:{self.port}", "GREENSERVE_WORKERS": str(workers),
+                         "PYTHONUNBUFFERED": "1", **env})
+        self.extra_args = extra_args or []
+        self.log_path = Path(tempfile.mkstemp(prefix="greenserve-", suffix=".log")[1])
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> "GunicornServer":
+        log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen([sys.executable, "-m", "gunicorn", "-c", "gunicorn.conf.py",
+                                      *self.extra_args, "wsgi:app"],
+                                     cwd=ROOT, env=self.env, stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + self.ready_timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"gunicorn exited with {self.proc.returncode}:\n{self.log()}")
+            if self.log().count(READY_LINE) >= self.workers:
+                return self
+            time.sleep(0.2)
+        self.stop()
+        raise TimeoutError(f"gunicorn not ready after {self.ready_timeout_s}s:\n{self.log()}")
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def worker_pids(self) -> set[int]:
+        """PIDs of the master's live children (the workers)."""
+        assert self.proc is not None
+        out = subprocess.run(["pgrep", "-P", str(self.proc.pid)], capture_output=True, text=True)
+        return {int(p) for p in out.stdout.split()}
+
+    def healthz_pids(self, tries: int = 40) -> set[int]:
+        """PIDs that answer /healthz over fresh connections (spread over workers by the kernel)."""
+        pids = set()
+        for _ in range(tries):
+            pids.add(requests.get(self.url + "/healthz", timeout=5).json()["pid"])
+        return pids
+
+    def stop(self, timeout: float = 30.0) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def __enter__(self) -> "GunicornServer":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

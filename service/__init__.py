@@ -1,0 +1,1 @@
+"""greenserve: image embeddings and classification, Flask behind gunicorn -k gevent."""

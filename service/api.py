@@ -1,0 +1,185 @@
+"""HTTP routes: parse → orchestrate → JSON. One error handler turns every failure into the error shape.
+
+Views have no ``try``: the pipeline raises ``GreenserveError`` subclasses and ``handle_error`` maps them.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import os
+import re
+import time
+import uuid
+from typing import Any
+
+from flask import Blueprint, Flask, Response, current_app, g, request
+from werkzeug.exceptions import HTTPException
+
+from service.engine.runner import Runner
+from service.errors import GreenserveError, RequestError, Unauthorized, UnsupportedMediaType
+from service.pipeline.inputs import InferenceRequest, parse_form, parse_json
+from service.pipeline.orchestrate import Orchestrator
+from service.settings import Settings
+
+log = logging.getLogger(__name__)
+bp = Blueprint("api", __name__)
+
+_REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+OFFLOAD_JSON_BYTES = 256 * 1024  # bodies above this are parsed in a decode thread, not on the hub
+OFFLOAD_JSON_ITEMS = 4  # embedding responses with more items are encoded in a decode thread
+_HTTP_CODES = {400: "invalid_request", 404: "not_found", 405: "method_not_allowed", 413: "body_too_large",
+               415: "unsupported_content_type"}
+
+
+def parts() -> tuple[Settings, Runner, Orchestrator]:
+    ext = current_app.extensions["greenserve"]
+    return ext["settings"], ext["runner"], ext["orchestrator"]
+
+
+# ---------------------------------------------------------------------- request lifecycle
+
+
+@bp.before_app_request
+def _start() -> None:
+    g.started = time.monotonic()
+    rid = request.headers.get("X-Request-ID", "")
+    g.request_id = rid if _REQUEST_ID_RE.match(rid) else uuid.uuid4().hex
+    settings = current_app.extensions["greenserve"]["settings"]
+    if settings.api_token and request.path.startswith("/v1/"):
+        supplied = request.headers.get("Authorization", "").removeprefix("Bearer ").strip()
+        if not hmac.compare_digest(supplied.encode(), settings.api_token.encode()):
+            raise Unauthorized("missing or wrong bearer token; send Authorization: Bearer <GREENSERVE_API_TOKEN>")
+
+
+@bp.after_app_request
+def _finish(response: Response) -> Response:
+    response.headers["X-Request-ID"] = g.get("request_id", "")
+    return response
+
+
+@bp.app_errorhandler(GreenserveError)
+def handle_error(err: GreenserveError) -> Response:
+    if err.status_code >= 500 and not err.headers:
+        log.error("request_id=%s %s: %s", g.get("request_id"), err.code, err.message)
+    return error_response(err.status_code, err.to_dict(), err.headers)
+
+
+@bp.app_errorhandler(HTTPException)
+def handle_http(exc: HTTPException) -> Response:
+    status = exc.code or 500
+    code = _HTTP_CODES.get(status, "http_error")
+    message = exc.description or exc.name
+    if status == 413:
+        limit = current_app.extensions["greenserve"]["settings"].max_body_bytes
+        message = f"the request body exceeds {limit} bytes; send fewer/smaller images or set GREENSERVE_MAX_BODY_BYTES"
+    return error_response(status, {"code": code, "message": message, "details": []}, {})
+
+
+@bp.app_errorhandler(Exception)
+def handle_unexpected(exc: Exception) -> Response:
+    log.exception("request_id=%s unhandled error", g.get("request_id"))
+    return error_response(500, {"code": "internal_error", "message": "internal error; report the request id",
+                                "details": []}, {})
+
+
+def error_response(status: int, error: dict[str, Any], headers: dict[str, str]) -> Response:
+    body = json.dumps({"error": error, "request_id": g.get("request_id", "")})
+    return Response(body, status=status, headers=headers, mimetype="application/json")
+
+
+# ---------------------------------------------------------------------- inference
+
+
+@bp.post("/v1/embeddings")
+def embeddings() -> Response:
+    return _infer("embeddings")
+
+
+@bp.post("/v1/classify")
+def classify() -> Response:
+    return _infer("classify")
+
+
+def _infer(task: str) -> Response:
+    settings, runner, orchestrator = parts()
+    req = _parse_request(settings, runner)
+    if runner.ready and task not in runner.model.info.tasks:  # type: ignore[union-attr]
+        raise RequestError(f"the loaded model does not provide {task}; it provides "
+                           f"{', '.join(runner.model.info.tasks)}", code="task_not_supported")  # type: ignore[union-attr]
+    body = orchestrator.run(req, task, deadline=_deadline(settings), request_id=g.request_id)
+    body = {"model": runner.model.info.name, **body, "request_id": g.request_id}  # type: ignore[union-attr]
+    if task == "embeddings" and len(body["data"]) > OFFLOAD_JSON_ITEMS:
+        text = runner.offload(json.dumps, body)
+    else:
+        text = json.dumps(body)
+    return Response(text, mimetype="application/json")
+
+
+def _parse_request(settings: Settings, runner: Runner) -> InferenceRequest:
+    mimetype = request.mimetype
+    if mimetype == "multipart/form-data":
+        files = [(f.filename or "", f.read(settings.max_image_bytes + 1)) for f in request.files.getlist("images")]
+        unexpected = sorted(set(request.files) - {"images"})
+        if unexpected:
+            raise RequestError(f"files in unknown field(s) {', '.join(unexpected)}; use the field 'images'")
+        return parse_form(request.form.to_dict(), files, settings)
+    if mimetype in ("application/json", "") or mimetype.endswith("+json"):
+        raw = request.get_data(cache=False)
+        if len(raw) > OFFLOAD_JSON_BYTES:
+            return runner.offload(parse_json, raw, settings)
+        return parse_json(raw, settings)
+    raise UnsupportedMediaType(f"Content-Type {mimetype!r} is not accepted; send application/json or "
+                               "multipart/form-data")
+
+
+def _deadline(settings: Settings) -> float:
+    timeout = settings.request_timeout_s
+    header = request.headers.get("X-Request-Timeout")
+    if header:
+        try:
+            asked = float(header)
+        except ValueError:
+            raise RequestError(f"X-Request-Timeout={header!r} is not a number of seconds") from None
+        if not asked > 0:
+            raise RequestError("X-Request-Timeout must be a positive number of seconds")
+        timeout = min(timeout, asked)
+    return g.started + timeout
+
+
+# ---------------------------------------------------------------------- info and probes
+
+
+@bp.get("/v1/models")
+def models() -> Response:
+    _, runner, _ = parts()
+    if not runner.ready:
+        return _json({"data": [], "status": "loading"}, 503)
+    return _json({"data": [runner.model.info.public()]})  # type: ignore[union-attr]
+
+
+@bp.get("/healthz")
+def healthz() -> Response:
+    return _json({"status": "ok", "pid": os.getpid()})
+
+
+@bp.get("/readyz")
+def readyz() -> Response:
+    _, runner, _ = parts()
+    if runner.ready:
+        return _json({"status": "ready", "pid": os.getpid(), "model": runner.model.info.name})  # type: ignore[union-attr]
+    reason = f"model failed to load: {runner.load_error}" if runner.load_error else "model loading"
+    return _json({"status": "not_ready", "pid": os.getpid(), "reason": reason}, 503)
+
+
+def _json(body: dict[str, Any], status: int = 200) -> Response:
+    return Response(json.dumps(body), status=status, mimetype="application/json")
+
+
+def register(app: Flask) -> None:
+    app.register_blueprint(bp)
+    # werkzeug refuses larger bodies with 413 before the view reads them
+    app.config["MAX_CONTENT_LENGTH"] = app.extensions["greenserve"]["settings"].max_body_bytes
+    app.config["MAX_FORM_MEMORY_SIZE"] = app.config["MAX_CONTENT_LENGTH"]
+

@@ -1,0 +1,158 @@
+"""Micro-batching: images from concurrent requests are gathered into one forward on the inference thread.
+
+Greenlets ``submit`` one image each and wait on its ``AsyncResult``; one collector greenlet takes what
+is queued (up to ``max_batch``; waiting at most ``max_wait_s`` for a non-full batch), runs it on the
+1-thread pool and routes rows back. The pool's single thread *is* the worker-local lock, so the hub
+never waits on a real lock. A batch that raises fails its own images only; images whose deadline
+passed while queued are dropped before they reach the model.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import gevent
+import numpy as np
+from gevent.event import AsyncResult
+from gevent.queue import Empty, Queue
+from gevent.threadpool import ThreadPool
+
+from service.errors import DeadlineExceeded, InferenceFailed
+
+log = logging.getLogger(__name__)
+
+# Forward function: a uint8 (N, H, W, 3) batch → (features or None, logits), row i for image i.
+RunBatch = Callable[[np.ndarray], tuple]
+
+
+@dataclass(frozen=True)
+class Row:
+    """One image's outputs, with how long it queued and how long its batch ran."""
+
+    features: np.ndarray | None
+    logits: np.ndarray
+    queue_s: float
+    inference_s: float
+    batch_size: int
+
+
+@dataclass
+class _Item:
+    pixels: np.ndarray
+    deadline: float | None
+    result: AsyncResult = field(default_factory=AsyncResult)
+    enqueued: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class BatchStats:
+    """Running figures the runner uses for Retry-After and metrics."""
+
+    batches: int = 0
+    images: int = 0
+    seconds_per_image: float = 0.05  # refined by an exponential average of real batches
+    last_batch_size: int = 0
+    on_batch: Callable[[int, float], None] | None = None
+
+    def record(self, n: int, seconds: float) -> None:
+        self.batches += 1
+        self.images += n
+        self.last_batch_size = n
+        per_image = seconds / max(1, n)
+        self.seconds_per_image = per_image if self.batches == 1 else 0.8 * self.seconds_per_image + 0.2 * per_image
+        if self.on_batch:
+            self.on_batch(n, seconds)
+
+
+class Batcher:
+    def __init__(self, run_batch: RunBatch, pool: ThreadPool, *, max_batch: int, max_wait_s: float) -> None:
+        self._run_batch = run_batch
+        self._pool = pool
+        self.max_batch = max_batch
+        self.max_wait_s = max_wait_s
+        self._queue: Queue = Queue()
+        self._loop: gevent.Greenlet | None = None
+        self.stats = BatchStats()
+
+    @property
+    def queued(self) -> int:
+        return self._queue.qsize()
+
+    def start(self) -> None:
+        if self._loop is None:
+            self._loop = gevent.spawn(self._collect_forever)
+
+    def stop(self) -> None:
+        if self._loop is not None:
+            self._loop.kill()
+            self._loop = None
+
+    def submit(self, pixels: np.ndarray, deadline: float | None = None) -> AsyncResult:
+        """Queue one image; ``.get()`` the result to wait for its ``Row`` cooperatively."""
+        item = _Item(pixels, deadline)
+        self._queue.put(item)
+        return item.result
+
+    def _collect_forever(self) -> None:
+        while True:
+            batch = self._collect()
+            live = self._drop_expired(batch)
+            if live:
+                self._run(live)
+
+    def _collect(self) -> list[_Item]:
+        batch = [self._queue.get()]
+        until = time.monotonic() + self.max_wait_s
+        while len(batch) < self.max_batch:
+            try:
+                batch.append(self._queue.get_nowait())
+                continue
+            except Empty:
+                pass
+            remaining = until - time.monotonic()
+            if remaining <= 0:
+                break
+            try:
+                batch.append(self._queue.get(timeout=remaining))
+            except Empty:
+                break
+        return batch
+
+    @staticmethod
+    def _drop_expired(batch: Sequence[_Item]) -> list[_Item]:
+        now = time.monotonic()
+        live = []
+        for item in batch:
+            if item.deadline is not None and now >= item.deadline:
+                item.result.set_exception(DeadlineExceeded(
+                    "the request deadline passed before this image reached the model; retry later or "
+                    "raise the deadline (X-Request-Timeout / GREENSERVE_REQUEST_TIMEOUT_S)"))
+            else:
+                live.append(item)
+        return live
+
+    def _run(self, batch: list[_Item]) -> None:
+        started = time.monotonic()
+        try:
+            feats, logits = self._pool.apply(_forward_stacked, (self._run_batch, [it.pixels for it in batch]))
+        except Exception as exc:  # the model raised: fail these images, keep serving
+            log.exception("inference failed on a batch of %d image(s)", len(batch))
+            err = InferenceFailed(f"the model failed on a batch of {len(batch)} image(s) "
+                                  f"({type(exc).__name__}); the request can be retried")
+            for item in batch:
+                item.result.set_exception(err)
+            return
+        seconds = time.monotonic() - started
+        self.stats.record(len(batch), seconds)
+        for i, item in enumerate(batch):
+            item.result.set(Row(None if feats is None else feats[i], logits[i], started - item.enqueued,
+                                seconds, len(batch)))
+
+
+def _forward_stacked(run_batch: RunBatch, pixels: list[np.ndarray]) -> tuple:
+    """In the inference thread: stack, forward, hand back numpy rows."""
+    feats, logits = run_batch(np.stack(pixels))
+    return (None if feats is None else feats.numpy()), logits.numpy()

@@ -1,0 +1,269 @@
+"""The model one worker owns: load (by name, weights mode, meta device + mmap), warm up, forward.
+
+One forward gives both outputs: the backbone's pooled penultimate features (the embedding) and the
+classifier head's logits. Everything here runs in the worker's single inference thread, after fork:
+never in the gunicorn master (libgomp and CUDA are not fork-safe).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import zipfile
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+import torchvision
+from torch import nn
+from torchvision.models import get_model_builder, get_model_weights, list_models
+
+from service.engine.transform import Transform
+
+log = logging.getLogger(__name__)
+
+RANDOM_SEED = 0  # random weights are seeded so every worker serves the same (meaningless) model
+WARMUP_BATCHES = (1, 4)  # shapes run once before /readyz says ready (first-call allocations, kernel picks)
+
+
+class ModelLoadError(RuntimeError):
+    """The configured model or weights cannot be loaded; the message says what to change."""
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    name: str
+    tasks: tuple[str, ...]
+    embedding_dim: int | None
+    labels: tuple[str, ...]
+    device: str
+    dtype: str
+    weights: str  # "imagenet", "random", or the file it came from
+    transform: Transform
+    load_seconds: float = 0.0
+    format: str = "torchvision"
+
+    def public(self) -> dict[str, Any]:
+        return {"name": self.name, "tasks": list(self.tasks), "embedding_dim": self.embedding_dim,
+                "labels_count": len(self.labels), "device": self.device, "dtype": self.dtype,
+                "weights": self.weights, "format": self.format,
+                "input": {"resize": self.transform.resize_size, "crop": self.transform.crop_size},
+                "load_seconds": round(self.load_seconds, 3)}
+
+
+@dataclass
+class LoadedModel:
+    """A ready model: ``forward(uint8 NHWC batch) -> (embeddings, logits)`` as float32 CPU tensors."""
+
+    info: ModelInfo
+    module: nn.Module  # returns (features, logits), or logits only (TorchScript classifiers)
+    device: torch.device
+    dtype: torch.dtype = torch.float32
+    channels_last: bool = True
+    _mean: torch.Tensor = field(init=False, repr=False)
+    _std: torch.Tensor = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        t = self.info.transform
+        self._mean = torch.tensor(t.mean, device=self.device).view(1, 3, 1, 1) * 255
+        self._std = torch.tensor(t.std, device=self.device).view(1, 3, 1, 1) * 255
+
+    def forward(self, batch: np.ndarray) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """Run one batch of uint8 crops (N, H, W, 3). Call from the inference thread only."""
+        with torch.inference_mode():
+            x = torch.from_numpy(batch)
+            if self.device.type == "cuda":
+                x = x.pin_memory().to(self.device, non_blocking=True)
+            # NHWC memory viewed as NCHW *is* channels_last: no copy for convnets
+            x = x.permute(0, 3, 1, 2).to(torch.float32).sub_(self._mean).div_(self._std)
+            if not self.channels_last:
+                x = x.contiguous()
+            with _autocast(self.device, self.dtype):
+                out = self.module(x)
+            feats, logits = out if isinstance(out, tuple) else (None, out)
+            feats = None if feats is None else feats.float().flatten(1).cpu()
+            return feats, logits.float().cpu()
+
+    def warm_up(self) -> None:
+        c = self.info.transform.crop_size
+        for n in WARMUP_BATCHES:
+            self.forward(np.zeros((n, c, c, 3), dtype=np.uint8))
+
+
+class EmbedClassify(nn.Module):
+    """A torchvision classifier split at its last Linear: ``forward(x) -> (features, logits)``."""
+
+    def __init__(self, backbone: nn.Module, head: nn.Module) -> None:
+        super().__init__()
+        self.backbone = backbone
+        self.head = head
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        feats = self.backbone(x)
+        return feats, self.head(feats)
+
+
+def classification_models() -> list[str]:
+    return list_models(module=torchvision.models)
+
+
+def resolve_device(device: str, worker_ordinal: int = 0) -> torch.device:
+    """``auto``/``cuda`` spread workers over the visible GPUs round-robin; call after fork only."""
+    if device == "cpu":
+        return torch.device("cpu")
+    if device.startswith("cuda:"):
+        return torch.device(device)
+    if torch.cuda.is_available():
+        return torch.device("cuda", worker_ordinal % torch.cuda.device_count())
+    if device == "cuda":
+        raise ModelLoadError("GREENSERVE_DEVICE=cuda but no CUDA device is visible; use cpu or auto")
+    return torch.device("cpu")
+
+
+def load_model(name: str, weights: str, *, device: torch.device | None = None, channels_last: bool = True,
+               dtype: torch.dtype = torch.float32) -> LoadedModel:
+    """Load ``name`` with ``weights`` = auto | imagenet | random | path (state dict or TorchScript)."""
+    started = time.perf_counter()
+    device = device or torch.device("cpu")
+    if name not in classification_models():
+        raise ModelLoadError(f"GREENSERVE_MODEL={name!r} is not a torchvision classification model; try "
+                             "resnet50, resnet18, efficientnet_b0, convnext_tiny, vit_b_16 ...")
+    enum = get_model_weights(name).DEFAULT
+    transform = transform_of(enum)
+    labels = tuple(enum.meta["categories"])
+    source, fmt = weights, "torchvision"
+    if weights in ("auto", "imagenet"):
+        cached = cached_weights_path(name)
+        if cached is None and weights == "imagenet":
+            raise ModelLoadError(f"no pretrained {name} file in the torch cache ({torch.hub.get_dir()}); run "
+                                 f"`greenserve download-weights {name}` on a machine with internet")
+        if cached is None:
+            log.warning("NO PRETRAINED WEIGHTS for %s in %s: serving RANDOM weights (outputs are "
+                        "meaningless). Run `greenserve download-weights %s` or set GREENSERVE_WEIGHTS.",
+                        name, torch.hub.get_dir(), name)
+            module, source = _random_model(name), "random"
+        else:
+            module, source = _from_state_dict(name, _load_state_dict(cached)), "imagenet"
+    elif weights == "random":
+        log.warning("GREENSERVE_WEIGHTS=random: %s serves random weights (outputs are meaningless)", name)
+        module = _random_model(name)
+    elif is_torchscript(weights):
+        module, fmt = torch.jit.load(weights, map_location=device), "torchscript"
+    else:
+        module = _from_state_dict(name, _load_state_dict(weights))
+    if fmt == "torchvision":
+        module = split_head(module)
+        n_out = module.head.out_features
+        if n_out != len(labels):
+            labels = tuple(f"class_{i}" for i in range(n_out))
+    module.eval()
+    module = module.to(device)
+    if channels_last and fmt == "torchvision":
+        # a no-op (no private copy) when the checkpoint was exported in channels_last already
+        module = module.to(memory_format=torch.channels_last)
+    model = LoadedModel(info=ModelInfo(name, (), None, labels, str(device), str(dtype).replace("torch.", ""),
+                                       source, transform, format=fmt),
+                        module=module, device=device, dtype=dtype, channels_last=channels_last)
+    feats, logits = model.forward(np.zeros((1, transform.crop_size, transform.crop_size, 3), np.uint8))
+    if logits.shape[1] != len(labels):
+        labels = tuple(f"class_{i}" for i in range(logits.shape[1]))
+    tasks = ("embeddings", "classify") if feats is not None else ("classify",)
+    model.info = ModelInfo(name, tasks, None if feats is None else feats.shape[1], labels, str(device),
+                           str(dtype).replace("torch.", ""), source, transform,
+                           time.perf_counter() - started, fmt)
+    return model
+
+
+def transform_of(enum: Any) -> Transform:
+    t = enum.transforms()
+    return Transform(resize_size=int(t.resize_size[0]), crop_size=int(t.crop_size[0]),
+                     mean=tuple(t.mean), std=tuple(t.std), interpolation=t.interpolation.value)
+
+
+def cached_weights_path(name: str) -> str | None:
+    """Where torchvision's pretrained file for ``name`` lives in the local torch cache, if it is there."""
+    url = get_model_weights(name).DEFAULT.url
+    path = os.path.join(torch.hub.get_dir(), "checkpoints", os.path.basename(url))
+    return path if os.path.isfile(path) else None
+
+
+def is_torchscript(path: str) -> bool:
+    try:
+        with zipfile.ZipFile(path) as zf:
+            return any(n.endswith("constants.pkl") or "/code/" in n for n in zf.namelist())
+    except zipfile.BadZipFile:
+        return False
+
+
+def split_head(model: nn.Module) -> EmbedClassify:
+    """Cut ``model`` at its last ``nn.Linear``: what feeds it is the embedding."""
+    last = None
+    for qualname, mod in model.named_modules():
+        if isinstance(mod, nn.Linear):
+            last = qualname
+    if last is None:
+        raise ModelLoadError(f"{type(model).__name__} has no Linear classifier head; embeddings need one")
+    parent_name, _, attr = last.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    head = getattr(parent, attr)
+    setattr(parent, attr, nn.Identity())
+    return EmbedClassify(model, head)
+
+
+def _random_model(name: str) -> nn.Module:
+    torch.manual_seed(RANDOM_SEED)
+    return get_model_builder(name)(weights=None)
+
+
+def _load_state_dict(path: str) -> dict[str, torch.Tensor]:
+    try:
+        state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+    except (RuntimeError, OSError, ValueError, EOFError) as exc:
+        raise ModelLoadError(f"cannot read weights file {path!r} as a state dict or TorchScript ({exc}); "
+                             "save it with torch.save(model.state_dict(), path)") from exc
+    if isinstance(state, dict) and isinstance(state.get("state_dict"), dict):
+        state = state["state_dict"]
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise ModelLoadError(f"{path!r} does not hold a state dict of tensors")
+    return {k.removeprefix("module."): v for k, v in state.items()}
+
+
+def _from_state_dict(name: str, state: dict[str, torch.Tensor]) -> nn.Module:
+    """Build on the meta device and adopt the (mmapped) tensors: no second copy of the weights."""
+    builder = get_model_builder(name)
+    kwargs: dict[str, Any] = {}
+    with torch.device("meta"):
+        model = builder(weights=None)
+    head_key = _last_linear_weight_key(model)
+    if head_key in state and state[head_key].shape[0] != model.get_submodule(head_key[:-7]).out_features:
+        kwargs["num_classes"] = state[head_key].shape[0]
+        with torch.device("meta"):
+            model = builder(weights=None, **kwargs)
+    if name.startswith(("inception", "googlenet")) and not any(k.startswith("aux") or "Aux" in k for k in state):
+        with torch.device("meta"):
+            model = builder(weights=None, aux_logits=False, init_weights=False, **kwargs)
+    try:
+        model.load_state_dict(state, strict=True, assign=True)
+    except RuntimeError as exc:
+        raise ModelLoadError(f"the weights do not fit {name}: {str(exc)[:500]}; check GREENSERVE_MODEL "
+                             "matches the architecture the file was saved from") from exc
+    missing = [n for n, t in (*model.named_parameters(), *model.named_buffers()) if t.is_meta]
+    if missing:
+        raise ModelLoadError(f"the weights file leaves {name} tensors unset: {', '.join(missing[:5])}")
+    return model
+
+
+def _last_linear_weight_key(model: nn.Module) -> str:
+    last = ""
+    for qualname, mod in model.named_modules():
+        if isinstance(mod, nn.Linear):
+            last = qualname
+    return f"{last}.weight"
+
+
+def _autocast(device: torch.device, dtype: torch.dtype) -> Any:
+    if dtype == torch.float32:
+        return torch.autocast(device.type, enabled=False)
+    return torch.autocast(device.type, dtype=dtype)

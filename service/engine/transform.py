@@ -1,0 +1,20 @@
+"""The model weights' own preprocessing facts (torchvision's ``weights.transforms()``), as plain data."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# ImageNet preprocessing used by torchvision's classification weights (resnet50 V2 uses 232/224).
+DEFAULT_RESIZE = 256
+DEFAULT_CROP = 224
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+
+
+@dataclass(frozen=True)
+class Transform:
+    resize_size: int = DEFAULT_RESIZE
+    crop_size: int = DEFAULT_CROP
+    mean: tuple[float, float, float] = IMAGENET_MEAN
+    std: tuple[float, float, float] = IMAGENET_STD
+    interpolation: str = "bilinear"

@@ -1,0 +1,123 @@
+"""The error tree. Every failure a caller can cause or see is one of these; one handler maps them to HTTP.
+
+    GreenserveError (500 internal_error)
+    ├── RequestError (400)            malformed request: invalid_json, invalid_request, unknown_task ...
+    ├── Unauthorized (401)            unauthorized
+    ├── PayloadTooLarge (413)         body_too_large, too_many_images
+    ├── UnsupportedMediaType (415)    unsupported_content_type
+    ├── ImageError (422)              one image is unusable; carried per image in ``details``/``errors``
+    │   ├── ImageTooLarge (413)       image_too_large (bytes or pixels)
+    │   ├── UnsupportedImage (415)    unsupported_image_format
+    │   ├── NotAnImage                not_an_image, empty_image, truncated_image, invalid_image
+    │   └── FetchError                fetch_failed, fetch_timeout, url_not_allowed, invalid_url
+    ├── ImagesFailed (by its images)  the request failed because of its images (partial=false)
+    ├── Overloaded (503)              overloaded, not_ready; carries Retry-After
+    ├── DeadlineExceeded (504)        deadline_exceeded
+    └── InferenceFailed (500)         inference_failed: the model raised on a batch
+
+Third-party exceptions are translated where they arise (``raise ... from exc``); views have no ``try``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class GreenserveError(Exception):
+    status_code = 500
+    code = "internal_error"
+
+    def __init__(self, message: str, *, code: str | None = None, details: list[dict[str, Any]] | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        if code is not None:
+            self.code = code
+        self.details = details or []
+        self.headers = headers or {}
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"code": self.code, "message": self.message, "details": self.details}
+
+
+class RequestError(GreenserveError):
+    status_code = 400
+    code = "invalid_request"
+
+
+class Unauthorized(GreenserveError):
+    status_code = 401
+    code = "unauthorized"
+
+
+class PayloadTooLarge(GreenserveError):
+    status_code = 413
+    code = "body_too_large"
+
+
+class UnsupportedMediaType(GreenserveError):
+    status_code = 415
+    code = "unsupported_content_type"
+
+
+class ImageError(GreenserveError):
+    """One image could not be used. The request fails with it (partial=false) or lists it (partial=true)."""
+
+    status_code = 422
+    code = "invalid_image"
+
+
+class ImageTooLarge(ImageError):
+    status_code = 413
+    code = "image_too_large"
+
+
+class UnsupportedImage(ImageError):
+    status_code = 415
+    code = "unsupported_image_format"
+
+
+class NotAnImage(ImageError):
+    code = "not_an_image"
+
+
+class FetchError(ImageError):
+    code = "fetch_failed"
+
+
+class ImagesFailed(GreenserveError):
+    """Some images were unusable and the caller did not ask for partial results."""
+
+    def __init__(self, failures: list[tuple[int, str, ImageError]]) -> None:
+        statuses = {err.status_code for _, _, err in failures}
+        first = failures[0][2]
+        self.status_code = statuses.pop() if len(statuses) == 1 else 422
+        details = [image_error_item(i, ref, err) for i, ref, err in failures]
+        n = len(failures)
+        message = (f"{n} image(s) could not be used; the first: {first.message}. "
+                   "Fix or drop them, or send \"partial\": true to get results for the rest")
+        super().__init__(message, code=first.code, details=details)
+
+
+class Overloaded(GreenserveError):
+    status_code = 503
+    code = "overloaded"
+
+    def __init__(self, message: str, *, retry_after_s: float, code: str | None = None) -> None:
+        super().__init__(message, code=code, headers={"Retry-After": str(max(1, round(retry_after_s)))})
+        self.retry_after_s = retry_after_s
+
+
+class DeadlineExceeded(GreenserveError):
+    status_code = 504
+    code = "deadline_exceeded"
+
+
+class InferenceFailed(GreenserveError):
+    status_code = 500
+    code = "inference_failed"
+
+
+def image_error_item(index: int, image: str, err: ImageError) -> dict[str, Any]:
+    """The per-image error object used in ``details`` (422) and ``errors`` (partial 200)."""
+    return {"index": index, "image": image, "code": err.code, "message": err.message}

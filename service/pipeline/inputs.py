@@ -1,0 +1,168 @@
+"""Stage 0: a request body (JSON or multipart fields) → validated options and image references.
+
+Knows nothing of Flask: the view hands over plain values. Problems with the request as a whole are
+``RequestError``/``PayloadTooLarge``; problems with one image are attached to its reference as an
+``ImageError`` so that ``partial`` can decide what happens to them.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+import re
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+from urllib.parse import urljoin, urlsplit
+
+from service.errors import FetchError, ImageError, ImageTooLarge, PayloadTooLarge, RequestError
+from service.settings import Settings
+
+DEFAULT_TOP_K = 5
+OPTION_FIELDS = ("top_k", "normalize", "partial")
+_DATA_URL_RE = re.compile(r"^data:(?P<mime>[\w.+-]+/[\w.+-]+)?(?P<params>(;[\w.+-]+=[\w.+-]+)*)"
+                          r"(?P<b64>;base64)?,", re.IGNORECASE)
+_LABEL_MAX = 200
+
+
+@dataclass(frozen=True)
+class ImageRef:
+    """One image of a request: something to fetch (``url``), bytes in hand (``data``), or an ``error``."""
+
+    index: int
+    name: str
+    url: str | None = None
+    data: bytes | None = None
+    error: ImageError | None = None
+
+
+@dataclass(frozen=True)
+class InferenceRequest:
+    refs: tuple[ImageRef, ...]
+    top_k: int = DEFAULT_TOP_K
+    normalize: bool = True
+    partial: bool = False
+
+
+def parse_json(body: bytes, settings: Settings) -> InferenceRequest:
+    """``{"images": [...], "top_k": 5, "normalize": true, "partial": false}`` → request."""
+    if not body.strip():
+        raise RequestError('the request body is empty; send JSON like {"images": ["https://.../a.jpg"]}',
+                           code="invalid_json")
+    try:
+        doc = json.loads(body)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise RequestError(f"the body is not valid JSON ({exc}); send "
+                           '{"images": ["https://.../a.jpg"]}', code="invalid_json") from exc
+    if not isinstance(doc, dict):
+        raise RequestError('the JSON body must be an object like {"images": [...]}')
+    unknown = sorted(set(doc) - {"images", *OPTION_FIELDS})
+    if unknown:
+        raise RequestError(f"unknown field(s) {', '.join(map(repr, unknown))}; allowed: images, "
+                           f"{', '.join(OPTION_FIELDS)}")
+    images = doc.get("images")
+    if not isinstance(images, list) or not images:
+        raise RequestError('"images" must be a non-empty list of URLs, relative names or data: URLs')
+    _check_count(len(images), settings)
+    refs = []
+    for i, item in enumerate(images):
+        if not isinstance(item, str) or not item.strip():
+            raise RequestError(f"images[{i}] must be a non-empty string (URL, relative name or data: URL)")
+        refs.append(_string_ref(i, item.strip(), settings))
+    return InferenceRequest(tuple(refs), **_options(doc, settings))
+
+
+def parse_form(fields: Mapping[str, str], files: Sequence[tuple[str, bytes]],
+               settings: Settings) -> InferenceRequest:
+    """multipart/form-data: files in the field ``images`` (filename, bytes), options as form fields."""
+    unknown = sorted(set(fields) - set(OPTION_FIELDS))
+    if unknown:
+        raise RequestError(f"unknown form field(s) {', '.join(map(repr, unknown))}; send files in the "
+                           f"field 'images' and options among {', '.join(OPTION_FIELDS)}")
+    if not files:
+        raise RequestError("no files in the form field 'images'; upload with -F images=@photo.jpg")
+    _check_count(len(files), settings)
+    refs = []
+    for i, (filename, data) in enumerate(files):
+        name = filename or f"upload-{i}"
+        err = _size_error(len(data), settings)
+        refs.append(ImageRef(i, name[:_LABEL_MAX], data=None if err else data, error=err))
+    options = {k: _form_value(k, v) for k, v in fields.items()}
+    return InferenceRequest(tuple(refs), **_options(options, settings))
+
+
+def _check_count(n: int, settings: Settings) -> None:
+    if n > settings.max_images:
+        raise PayloadTooLarge(f"{n} images in one request; the limit is {settings.max_images}. Split the "
+                              "request or set GREENSERVE_MAX_IMAGES", code="too_many_images")
+
+
+def _string_ref(index: int, item: str, settings: Settings) -> ImageRef:
+    if item[:5].lower() == "data:":
+        return _data_ref(index, item, settings)
+    scheme = urlsplit(item).scheme.lower()
+    if scheme in ("http", "https"):
+        return ImageRef(index, item[:_LABEL_MAX], url=item)
+    if scheme:
+        return ImageRef(index, item[:_LABEL_MAX], error=FetchError(
+            f"scheme {scheme!r} is not fetched; use an http(s) URL, a data: URL or a relative name",
+            code="invalid_url"))
+    if not settings.image_base_url:
+        return ImageRef(index, item[:_LABEL_MAX], error=FetchError(
+            f"{item!r} is a relative name but no base URL is configured; send an absolute http(s) URL "
+            "or set GREENSERVE_IMAGE_BASE_URL", code="invalid_url"))
+    base = settings.image_base_url if settings.image_base_url.endswith("/") else settings.image_base_url + "/"
+    return ImageRef(index, item[:_LABEL_MAX], url=urljoin(base, item.lstrip("/")))
+
+
+def _data_ref(index: int, item: str, settings: Settings) -> ImageRef:
+    label = item[:40] + "..." if len(item) > 40 else item
+    match = _DATA_URL_RE.match(item)
+    if not match or not match.group("b64"):
+        return ImageRef(index, label, error=ImageError(
+            "malformed data: URL; use data:image/jpeg;base64,<base64 bytes>", code="invalid_data_url"))
+    payload = item[match.end():]
+    # base64 inflates by 4/3: refuse before decoding what would exceed the byte cap anyway
+    err = _size_error(len(payload) * 3 // 4 - 2, settings)
+    if err:
+        return ImageRef(index, label, error=err)
+    try:
+        data = base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError) as exc:
+        return ImageRef(index, label, error=ImageError(
+            f"the data: URL is not valid base64 ({exc})", code="invalid_data_url"))
+    return ImageRef(index, label, data=data)
+
+
+def _size_error(size: int, settings: Settings) -> ImageTooLarge | None:
+    if size <= settings.max_image_bytes:
+        return None
+    return ImageTooLarge(f"image is {size} bytes; the limit is {settings.max_image_bytes} bytes. Send a "
+                         "smaller image or set GREENSERVE_MAX_IMAGE_BYTES")
+
+
+def _form_value(name: str, raw: str) -> Any:
+    if name == "top_k":
+        try:
+            return int(raw)
+        except ValueError:
+            raise RequestError(f"top_k={raw!r} is not a whole number") from None
+    low = raw.strip().lower()
+    if low in ("true", "1", "yes", "on"):
+        return True
+    if low in ("false", "0", "no", "off"):
+        return False
+    raise RequestError(f"{name}={raw!r} is not a boolean; use true or false")
+
+
+def _options(doc: Mapping[str, Any], settings: Settings) -> dict[str, Any]:
+    top_k = doc.get("top_k", DEFAULT_TOP_K)
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= settings.max_top_k:
+        raise RequestError(f"top_k must be a whole number from 1 to {settings.max_top_k}; got {top_k!r}")
+    out: dict[str, Any] = {"top_k": top_k}
+    for name, default in (("normalize", True), ("partial", False)):
+        value = doc.get(name, default)
+        if not isinstance(value, bool):
+            raise RequestError(f"{name} must be true or false; got {value!r}")
+        out[name] = value
+    return out

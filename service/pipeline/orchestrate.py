@@ -1,0 +1,139 @@
+"""One request through the stages, each image flowing on as soon as its previous stage is done:
+
+    1. admit     reserve queue slots for the images, or 503 at once (nothing fetched yet)
+    2. fetch     URLs on greenlets (bounded pool); data: URLs and uploads are already bytes
+    3. decode    bytes → RGB → crop, in the decode thread pool (Pillow drops the GIL)
+    4. infer     crop → micro-batcher → the one inference thread
+    5. post      rows → normalised embeddings / top-k labels, in request order
+
+``timings_ms`` holds, per stage, the wall-clock span from its first start to its last end for this
+request; stages overlap (image 2 is fetched while image 1 is decoded), so they need not add up to
+``total``.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import gevent
+import gevent.pool
+import numpy as np
+
+from service.engine.batcher import Row
+from service.engine.runner import Runner
+from service.errors import DeadlineExceeded, ImageError, ImagesFailed, image_error_item
+from service.pipeline import postprocess
+from service.pipeline.decode import decode_image
+from service.pipeline.fetch import Fetcher
+from service.pipeline.inputs import ImageRef, InferenceRequest
+from service.engine.transform import Transform
+from service.pipeline.preprocess import preprocess
+
+TASKS = ("embeddings", "classify")
+
+
+@dataclass
+class _Spans:
+    """First start and last end of each stage (monotonic seconds)."""
+
+    spans: dict[str, list[float]] = field(default_factory=dict)
+
+    def add(self, stage: str, start: float, end: float) -> None:
+        s = self.spans.setdefault(stage, [start, end])
+        s[0], s[1] = min(s[0], start), max(s[1], end)
+
+    def ms(self, stage: str) -> float:
+        s = self.spans.get(stage)
+        return round((s[1] - s[0]) * 1000, 1) if s else 0.0
+
+
+def decode_and_crop(data: bytes, transform: Transform, max_pixels: int) -> np.ndarray:
+    """Runs in a decode thread: safe decode (JPEG draft at the resize size) then resize + crop."""
+    return preprocess(decode_image(data, max_pixels=max_pixels, draft_size=transform.resize_size), transform)
+
+
+class Orchestrator:
+    def __init__(self, runner: Runner, fetcher: Fetcher, *, max_pixels: int,
+                 on_image_error: Callable[[ImageError], None] | None = None) -> None:
+        self.runner = runner
+        self.fetcher = fetcher
+        self.max_pixels = max_pixels
+        self.on_image_error = on_image_error
+
+    def run(self, req: InferenceRequest, task: str, *, deadline: float, request_id: str = "") -> dict[str, Any]:
+        """The response body (without ``model``/``request_id``) for ``req``; raises request-level errors."""
+        started = time.monotonic()
+        spans = _Spans()
+        outcomes: dict[int, Row | ImageError] = {r.index: r.error for r in req.refs if r.error is not None}
+        with self.runner.admit(len(req.refs)):
+            timeout = gevent.Timeout(max(0.0, deadline - time.monotonic()),
+                                     DeadlineExceeded("the request deadline passed; retry with fewer images or "
+                                                      "a longer X-Request-Timeout"))
+            with timeout:
+                self._process(req, spans, outcomes, deadline, request_id)
+        return self._respond(req, task, outcomes, spans, started)
+
+    def _process(self, req: InferenceRequest, spans: _Spans, outcomes: dict[int, Row | ImageError],
+                 deadline: float, request_id: str) -> None:
+        group = gevent.pool.Group()
+        try:
+            for ref in req.refs:
+                if ref.data is not None:
+                    group.spawn(self._image, ref, ref.data, spans, outcomes, deadline)
+            remote = [r for r in req.refs if r.url is not None and r.error is None]
+            if remote:
+                fetch_start = time.monotonic()
+                for i, result in self.fetcher.fetch_many([r.url for r in remote], deadline=deadline,
+                                                         request_id=request_id):
+                    spans.add("fetch", fetch_start, time.monotonic())
+                    if isinstance(result, ImageError):
+                        outcomes[remote[i].index] = result
+                    else:
+                        group.spawn(self._image, remote[i], result, spans, outcomes, deadline)
+            group.join(raise_error=True)
+        finally:
+            group.kill()
+
+    def _image(self, ref: ImageRef, data: bytes, spans: _Spans, outcomes: dict[int, Row | ImageError],
+               deadline: float) -> None:
+        t0 = time.monotonic()
+        try:
+            pixels = self.runner.offload(decode_and_crop, data, self.runner.transform, self.max_pixels)
+        except ImageError as err:
+            outcomes[ref.index] = err
+            return
+        finally:
+            spans.add("decode", t0, time.monotonic())
+        row: Row = self.runner.infer(pixels, deadline).get()
+        outcomes[ref.index] = row
+        end = time.monotonic()
+        spans.add("queue", end - row.inference_s - row.queue_s, end - row.inference_s)
+        spans.add("inference", end - row.inference_s, end)
+
+    def _respond(self, req: InferenceRequest, task: str, outcomes: dict[int, Row | ImageError],
+                 spans: _Spans, started: float) -> dict[str, Any]:
+        failures = [(r.index, r.name, outcomes[r.index]) for r in req.refs
+                    if isinstance(outcomes.get(r.index), ImageError)]
+        for _, _, err in failures:
+            if self.on_image_error:
+                self.on_image_error(err)
+        if failures and not req.partial:
+            raise ImagesFailed(failures)
+        labels = self.runner.labels
+        data = []
+        for ref in req.refs:
+            row = outcomes.get(ref.index)
+            if not isinstance(row, Row):
+                continue
+            item: dict[str, Any] = {"index": ref.index, "image": ref.name}
+            if task == "embeddings":
+                item["embedding"] = postprocess.embedding(row.features, normalize=req.normalize)
+            else:
+                item["labels"] = postprocess.top_k(row.logits, req.top_k, labels)
+            data.append(item)
+        timings = {stage: spans.ms(stage) for stage in ("fetch", "decode", "queue", "inference")}
+        timings["total"] = round((time.monotonic() - started) * 1000, 1)
+        return {"data": data, "errors": [image_error_item(i, name, err) for i, name, err in failures],
+                "timings_ms": timings}

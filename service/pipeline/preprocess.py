@@ -1,0 +1,33 @@
+"""Stage 3: RGB image → the model's input pixels (resize shorter side, centre crop), as uint8 HWC.
+
+Normalisation (mean/std, float conversion, layout) happens batched in the inference thread, on the
+model's device: a uint8 crop is 4x smaller to queue and to copy to a GPU than a float one.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from PIL import Image
+
+from service.engine.transform import Transform
+
+# Pillow shrinks by an integer factor first when the image is > REDUCING_GAP x the target: much faster,
+# same result within a grey level for photos.
+REDUCING_GAP = 3.0
+
+_RESAMPLE = {"bilinear": Image.Resampling.BILINEAR, "bicubic": Image.Resampling.BICUBIC,
+             "nearest": Image.Resampling.NEAREST, "lanczos": Image.Resampling.LANCZOS}
+
+
+def preprocess(img: Image.Image, t: Transform) -> np.ndarray:
+    """Resize so the shorter side is ``resize_size``, centre-crop ``crop_size``: one resample call."""
+    w, h = img.size
+    scale = t.resize_size / min(w, h)
+    # the centre crop, expressed in source pixels, resized straight to crop x crop
+    half_w = t.crop_size / scale / 2
+    half_h = t.crop_size / scale / 2
+    cx, cy = w / 2, h / 2
+    box = (max(0.0, cx - half_w), max(0.0, cy - half_h), min(float(w), cx + half_w), min(float(h), cy + half_h))
+    out = img.resize((t.crop_size, t.crop_size), _RESAMPLE[t.interpolation], box=box,
+                     reducing_gap=REDUCING_GAP if scale < 1 / REDUCING_GAP else None)
+    return np.asarray(out, dtype=np.uint8)

@@ -1,0 +1,213 @@
+"""Settings: one frozen object read once from ``GREENSERVE_*`` environment variables.
+
+Each field carries its variable name, unit and one-line doc in its metadata, so the README table
+(``greenserve settings --markdown``), the validation messages and the defaults come from one place.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import ipaddress
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+from urllib.parse import urlsplit
+
+ENV_PREFIX = "GREENSERVE_"
+WEIGHTS_MODES = ("auto", "imagenet", "random")
+_DEVICE_RE = re.compile(r"^(cpu|auto|cuda(:\d+)?)$")
+
+
+class SettingsError(ValueError):
+    """A GREENSERVE_* variable has a value the server cannot start with."""
+
+
+def _cpu_count() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - non-Linux
+        return os.cpu_count() or 1
+
+
+def _setting(default: Any, doc: str, *, unit: str = "", parse: str = "str", lo: float | None = None,
+             hi: float | None = None, factory: Callable[[], Any] | None = None) -> Any:
+    meta = {"doc": doc, "unit": unit, "parse": parse, "lo": lo, "hi": hi}
+    if factory is not None:
+        return field(default_factory=factory, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Everything the server can be told. Build directly in tests; ``from_env()`` in production."""
+
+    bind: str = _setting("127.0.0.1:8000", "gunicorn listen address (host:port or unix:/path)")
+    workers: int = _setting(None, "gunicorn worker processes, each with its own model", parse="int",
+                            lo=1, hi=256, factory=_cpu_count)
+    torch_threads: int = _setting(0, "torch intra-op threads per worker; 0 = cores // workers (at least 1)",
+                                  parse="int", lo=0, hi=256)
+    decode_threads: int = _setting(0, "native threads per worker for decode + preprocess; 0 = 2",
+                                   parse="int", lo=0, hi=64)
+    model: str = _setting("resnet50", "torchvision classification model name")
+    weights: str = _setting("auto", "auto | imagenet | random | path to a state-dict or TorchScript file")
+    device: str = _setting("auto", "cpu | cuda | cuda:N | auto (cuda when present, workers spread over GPUs)")
+    channels_last: bool = _setting(True, "run convnets in channels_last memory format (faster on CPU)",
+                                   parse="bool")
+    image_base_url: str = _setting("", "base URL that relative image names are resolved against")
+    fetch_allow: tuple[str, ...] = _setting(
+        (), "comma-separated origins (http://10.0.0.5:9000) and/or CIDRs the fetcher may reach even "
+        "though they are not public", parse="list", factory=tuple)
+    fetch_concurrency: int = _setting(16, "concurrent fetches per request", parse="int", lo=1, hi=256)
+    fetch_connect_timeout_s: float = _setting(3.0, "connect timeout per fetch", unit="s", parse="float",
+                                              lo=0.05, hi=120)
+    fetch_timeout_s: float = _setting(10.0, "total deadline per fetched image (all retries included)",
+                                      unit="s", parse="float", lo=0.1, hi=600)
+    fetch_max_redirects: int = _setting(3, "redirects followed per image", parse="int", lo=0, hi=20)
+    fetch_retries: int = _setting(2, "retries per image for connect errors and 429/502/503/504",
+                                  parse="int", lo=0, hi=10)
+    max_images: int = _setting(64, "images per request", parse="int", lo=1, hi=10_000)
+    max_image_bytes: int = _setting(20 * 1024 * 1024, "bytes per image (fetched, uploaded or data: URL)",
+                                    unit="bytes", parse="int", lo=1024)
+    max_image_pixels: int = _setting(40_000_000, "pixels per decoded image (width x height)", unit="pixels",
+                                     parse="int", lo=1)
+    max_body_bytes: int = _setting(64 * 1024 * 1024, "request body size", unit="bytes", parse="int",
+                                   lo=1024)
+    max_top_k: int = _setting(100, "largest top_k a caller may ask for", parse="int", lo=1, hi=100_000)
+    max_batch: int = _setting(32, "images per forward pass", parse="int", lo=1, hi=4096)
+    max_batch_wait_ms: float = _setting(2.0, "how long a non-full batch waits for more images", unit="ms",
+                                        parse="float", lo=0, hi=1000)
+    max_queue_images: int = _setting(256, "images admitted per worker (queued or running) before 503",
+                                     parse="int", lo=1)
+    request_timeout_s: float = _setting(60.0, "request deadline (a per-request X-Request-Timeout header "
+                                        "may shorten it)", unit="s", parse="float", lo=0.1, hi=3600)
+    worker_timeout_s: int = _setting(120, "gunicorn worker timeout (a hub silent this long is killed)",
+                                     unit="s", parse="int", lo=10)
+    graceful_timeout_s: int = _setting(30, "gunicorn graceful shutdown time for in-flight requests",
+                                       unit="s", parse="int", lo=1)
+    api_token: str = _setting("", "bearer token required on /v1/* when set (empty = no auth)")
+    log_level: str = _setting("info", "debug | info | warning | error")
+
+    # ------------------------------------------------------------------ derived values
+
+    def torch_threads_per_worker(self, cores: int | None = None) -> int:
+        """Threads for torch: explicit, else this worker's share of the cores."""
+        if self.torch_threads:
+            return self.torch_threads
+        return max(1, (cores or _cpu_count()) // self.workers)
+
+    def decode_threads_per_worker(self) -> int:
+        return self.decode_threads or 2
+
+    @property
+    def base_origin(self) -> str | None:
+        if not self.image_base_url:
+            return None
+        parts = urlsplit(self.image_base_url)
+        return f"{parts.scheme}://{parts.netloc}".lower()
+
+    # ------------------------------------------------------------------ construction
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            lo, hi = f.metadata["lo"], f.metadata["hi"]
+            if lo is not None and value < lo or hi is not None and value > hi:
+                raise SettingsError(f"{env_name(f.name)}={value!r} is out of range; allowed "
+                                    f"{_range_text(lo, hi)}")
+        if not _DEVICE_RE.match(self.device):
+            raise SettingsError(f"GREENSERVE_DEVICE={self.device!r} is not one of cpu, cuda, cuda:N, auto")
+        if self.weights in ("", None):
+            raise SettingsError("GREENSERVE_WEIGHTS is empty; use auto, imagenet, random or a file path")
+        if self.weights not in WEIGHTS_MODES and not os.path.isfile(self.weights):
+            raise SettingsError(f"GREENSERVE_WEIGHTS={self.weights!r} is neither auto/imagenet/random nor "
+                                "an existing file")
+        if self.image_base_url:
+            parts = urlsplit(self.image_base_url)
+            if parts.scheme not in ("http", "https") or not parts.hostname:
+                raise SettingsError(f"GREENSERVE_IMAGE_BASE_URL={self.image_base_url!r} must be an absolute "
+                                    "http(s) URL")
+        for entry in self.fetch_allow:
+            _check_allow_entry(entry)
+        if self.log_level not in ("debug", "info", "warning", "error"):
+            raise SettingsError(f"GREENSERVE_LOG_LEVEL={self.log_level!r} is not debug/info/warning/error")
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
+        """Read, cast and validate every GREENSERVE_* variable; unknown GREENSERVE_* names are errors."""
+        environ = os.environ if environ is None else environ
+        known = {env_name(f.name): f for f in dataclasses.fields(cls)}
+        unknown = sorted(k for k in environ if k.startswith(ENV_PREFIX) and k not in known)
+        if unknown:
+            raise SettingsError(f"unknown setting(s) {', '.join(unknown)}; see the README's settings table")
+        values = {}
+        for name, f in known.items():
+            if name in environ:
+                values[f.name] = _parse(name, environ[name], f.metadata["parse"])
+        return cls(**values)
+
+    def describe(self) -> dict[str, Any]:
+        """Values for the start-up log line (the token is masked)."""
+        out = dataclasses.asdict(self)
+        if out["api_token"]:
+            out["api_token"] = "***"
+        return out
+
+
+def env_name(field_name: str) -> str:
+    return ENV_PREFIX + field_name.upper()
+
+
+def settings_table() -> str:
+    """The README's settings table, in Markdown."""
+    rows = ["| variable | default | unit | what |", "|---|---|---|---|"]
+    for f in dataclasses.fields(Settings):
+        if f.default is not dataclasses.MISSING:
+            default = f.default
+        else:
+            default = "number of cores" if f.name == "workers" else "(empty)"
+        if isinstance(default, bool):
+            default = str(default).lower()
+        rows.append(f"| `{env_name(f.name)}` | `{default}` | {f.metadata['unit']} | {f.metadata['doc']} |")
+    return "\n".join(rows)
+
+
+def _parse(name: str, raw: str, kind: str) -> Any:
+    raw = raw.strip()
+    try:
+        if kind == "int":
+            return int(raw.replace("_", ""))
+        if kind == "float":
+            return float(raw)
+    except ValueError:
+        raise SettingsError(f"{name}={raw!r} is not a {'whole number' if kind == 'int' else 'number'}") from None
+    if kind == "bool":
+        if raw.lower() in ("1", "true", "yes", "on"):
+            return True
+        if raw.lower() in ("0", "false", "no", "off"):
+            return False
+        raise SettingsError(f"{name}={raw!r} is not a boolean; use true or false")
+    if kind == "list":
+        return tuple(p.strip() for p in raw.split(",") if p.strip())
+    return raw
+
+
+def _range_text(lo: float | None, hi: float | None) -> str:
+    if hi is None:
+        return f">= {lo}"
+    return f"{lo}..{hi}"
+
+
+def _check_allow_entry(entry: str) -> None:
+    if "://" in entry:
+        parts = urlsplit(entry)
+        if parts.scheme in ("http", "https") and parts.hostname and parts.path in ("", "/"):
+            return
+    else:
+        try:
+            ipaddress.ip_network(entry, strict=False)
+            return
+        except ValueError:
+            pass
+    raise SettingsError(f"GREENSERVE_FETCH_ALLOW entry {entry!r} is neither an origin like "
+                        "http://10.0.0.5:9000 nor a CIDR like 10.0.0.0/8")
