@@ -1,0 +1,63 @@
+"""Shared fixtures. End-to-end fixtures start real processes: gunicorn -k gevent and a local image host."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from bench.imagehost import ImageHost
+from bench.launch import GunicornServer
+from tests import images
+
+E2E_MODEL = "resnet18"  # small real torchvision model; weights saved to a temp file (no download here)
+
+
+@pytest.fixture(scope="session")
+def weights_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A resnet18 state dict with seeded random weights, saved the way users save theirs."""
+    import torch
+    import torchvision
+
+    torch.manual_seed(1234)
+    path = tmp_path_factory.mktemp("weights") / "resnet18.pt"
+    torch.save(torchvision.models.resnet18(weights=None).state_dict(), path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def album() -> dict[str, bytes]:
+    """What the image host serves: photos plus every kind of bad file."""
+    blobs = {f"img{i:03d}.jpg": images.jpeg(800 + 40 * i, 600, seed=i) for i in range(8)}
+    blobs.update({
+        "big.jpg": images.jpeg(3000, 2000, seed=99),
+        "empty.jpg": b"",
+        "truncated.jpg": images.truncated_jpeg(),
+        "page.jpg": images.HTML,
+        "bomb.png": images.pixel_bomb(),
+        "scan.tif": images.tiff(),
+    })
+    return blobs
+
+
+@pytest.fixture(scope="session")
+def image_host(album: dict[str, bytes]) -> Iterator[ImageHost]:
+    with ImageHost(album) as host:
+        yield host
+
+
+def e2e_env(weights_file: Path, image_host: ImageHost, **extra: str) -> dict[str, str]:
+    env = {"GREENSERVE_MODEL": E2E_MODEL, "GREENSERVE_WEIGHTS": str(weights_file),
+           "GREENSERVE_IMAGE_BASE_URL": image_host.base_url, "GREENSERVE_MAX_IMAGES": "40",
+           "GREENSERVE_MAX_BODY_BYTES": str(8 * 1024 * 1024), "GREENSERVE_MAX_IMAGE_PIXELS": "30000000",
+           "GREENSERVE_FETCH_TIMEOUT_S": "2", "GREENSERVE_LOG_LEVEL": "info"}
+    env.update(extra)
+    return env
+
+
+@pytest.fixture(scope="session")
+def server(weights_file: Path, image_host: ImageHost) -> Iterator[GunicornServer]:
+    """greenserve under gunicorn -k gevent: 2 workers, resnet18 from a saved state dict."""
+    with GunicornServer(e2e_env(weights_file, image_host), workers=2) as srv:
+        yield srv
