@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+import warnings
 import zipfile
 from dataclasses import dataclass, field
 from typing import Any
@@ -150,7 +151,7 @@ def load_model(name: str, weights: str, *, device: torch.device | None = None, c
         log.warning("GREENSERVE_WEIGHTS=random: %s serves random weights (outputs are meaningless)", name)
         module = _random_model(name)
     elif is_torchscript(weights):
-        module, fmt = torch.jit.load(weights, map_location=device), "torchscript"
+        module, fmt = _load_torchscript(weights, device), "torchscript"
     else:
         module = _from_state_dict(name, _load_state_dict(weights))
     if fmt == "torchvision":
@@ -210,6 +211,19 @@ def split_head(model: nn.Module) -> EmbedClassify:
     head = getattr(parent, attr)
     setattr(parent, attr, nn.Identity())
     return EmbedClassify(model, head)
+
+
+def _load_torchscript(path: str, device: torch.device) -> nn.Module:
+    # torch deprecates TorchScript in favour of torch.export, but users still ship .ts/.pt archives;
+    # say it once in our log instead of a FutureWarning per worker.
+    log.info("loading TorchScript archive %s (deprecated upstream; a state dict loads faster and shares memory)",
+             path)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"`torch\.jit\.load` is deprecated", category=FutureWarning)
+        try:
+            return torch.jit.load(path, map_location=device)
+        except RuntimeError as exc:
+            raise ModelLoadError(f"cannot load TorchScript file {path!r}: {str(exc)[:300]}") from exc
 
 
 def _random_model(name: str) -> nn.Module:

@@ -19,8 +19,8 @@ from service.errors import ImageTooLarge, NotAnImage, UnsupportedImage
 
 log = logging.getLogger(__name__)
 
-# Decoders that phones, browsers and CDNs produce. MPO is the JPEG variant of many phone cameras.
-ALLOWED_FORMATS = ("JPEG", "MPO", "PNG", "WEBP", "GIF", "BMP")
+# Decoders that phones, browsers and CDNs produce. (Phones' MPO files open through the JPEG decoder.)
+ALLOWED_FORMATS = ("JPEG", "PNG", "WEBP", "GIF", "BMP")
 # Magic numbers of image formats we recognise but refuse (most decoder CVEs live in these).
 _REFUSED_MAGIC = (
     (b"II*\x00", "TIFF"), (b"MM\x00*", "TIFF"), (b"8BPS", "PSD"), (b"%!PS", "EPS"), (b"\xc5\xd0\xd3\xc6", "EPS"),
@@ -74,7 +74,7 @@ def _open(data: bytes) -> Image.Image:
         refused = sniff_refused_format(data)
         if refused:
             raise UnsupportedImage(f"{refused} images are not accepted; send "
-                                   f"{', '.join(f for f in ALLOWED_FORMATS if f != 'MPO')}") from exc
+                                   f"{', '.join(ALLOWED_FORMATS)}") from exc
         raise NotAnImage("the data is not a recognised image (JPEG, PNG, WebP, GIF or BMP); check the URL "
                          "or file really points at an image", code="not_an_image") from exc
     except (OSError, SyntaxError, ValueError) as exc:

@@ -1,0 +1,55 @@
+"""Fakes for unit tests of the HTTP layer and the engine (the e2e tests use the real things)."""
+
+from __future__ import annotations
+
+import threading
+from typing import Iterator, Sequence
+
+import numpy as np
+import torch
+
+from service.engine.model import ModelInfo
+from service.engine.transform import Transform
+from service.errors import FetchError, ImageError
+
+LABELS = tuple(f"label{i}" for i in range(10))
+
+
+class FakeModel:
+    """Embedding = per-channel means repeated; logits favour class (mean brightness // 26)."""
+
+    def __init__(self, fail_when_batch_has: int | None = None, delay_s: float = 0.0) -> None:
+        self.info = ModelInfo("fake", ("embeddings", "classify"), 6, LABELS, "cpu", "float32", "random",
+                              Transform(resize_size=32, crop_size=32))
+        self.fail_when_batch_has = fail_when_batch_has
+        self.delay_s = delay_s
+        self.batches: list[int] = []
+        self.threads: set[str] = set()
+
+    def forward(self, batch: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        self.threads.add(threading.current_thread().name)
+        self.batches.append(len(batch))
+        if self.delay_s:
+            threading.Event().wait(self.delay_s)  # a real native sleep: the hub must not notice
+        means = batch.reshape(len(batch), -1, 3).mean(axis=1)
+        if self.fail_when_batch_has is not None and np.any(np.isclose(means[:, 0], self.fail_when_batch_has, atol=1)):
+            raise RuntimeError("boom")
+        feats = np.concatenate([means, means], axis=1).astype(np.float32)
+        logits = np.zeros((len(batch), 10), np.float32)
+        logits[np.arange(len(batch)), np.clip(means.mean(axis=1) // 26, 0, 9).astype(int)] = 5.0
+        return torch.from_numpy(feats), torch.from_numpy(logits)
+
+    def warm_up(self) -> None:
+        pass
+
+
+class FakeFetcher:
+    def __init__(self, blobs: dict[str, bytes | ImageError]) -> None:
+        self.blobs = blobs
+        self.calls: list[str] = []
+
+    def fetch_many(self, urls: Sequence[str], *, deadline: float | None = None,
+                   request_id: str = "") -> Iterator[tuple[int, bytes | ImageError]]:
+        for i, url in enumerate(urls):
+            self.calls.append(url)
+            yield i, self.blobs.get(url, FetchError(f"HTTP 404 for {url}", code="fetch_failed"))

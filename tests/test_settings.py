@@ -1,0 +1,61 @@
+from __future__ import annotations
+
+import pytest
+
+from service.settings import Settings, SettingsError, settings_table
+
+
+def test_defaults_bind_loopback_and_resnet50() -> None:
+    s = Settings.from_env({})
+    assert s.bind == "127.0.0.1:8000"
+    assert s.model == "resnet50"
+    assert s.weights == "auto"
+    assert s.workers >= 1
+
+
+def test_values_are_cast_from_env() -> None:
+    s = Settings.from_env({"GREENSERVE_WORKERS": "3", "GREENSERVE_MAX_BATCH_WAIT_MS": "1.5",
+                           "GREENSERVE_CHANNELS_LAST": "false", "GREENSERVE_FETCH_ALLOW": "http://10.0.0.5:9000, 10.1.0.0/16"})
+    assert s.workers == 3
+    assert s.max_batch_wait_ms == 1.5
+    assert s.channels_last is False
+    assert s.fetch_allow == ("http://10.0.0.5:9000", "10.1.0.0/16")
+
+
+@pytest.mark.parametrize("env, needle", [
+    ({"GREENSERVE_WORKERS": "two"}, "GREENSERVE_WORKERS"),
+    ({"GREENSERVE_WORKERS": "0"}, "GREENSERVE_WORKERS"),
+    ({"GREENSERVE_DEVICE": "tpu"}, "GREENSERVE_DEVICE"),
+    ({"GREENSERVE_WEIGHTS": "/no/such/file.pt"}, "GREENSERVE_WEIGHTS"),
+    ({"GREENSERVE_IMAGE_BASE_URL": "ftp://x/"}, "GREENSERVE_IMAGE_BASE_URL"),
+    ({"GREENSERVE_FETCH_ALLOW": "not a cidr"}, "GREENSERVE_FETCH_ALLOW"),
+    ({"GREENSERVE_CHANNELS_LAST": "maybe"}, "GREENSERVE_CHANNELS_LAST"),
+    ({"GREENSERVE_MAX_IMAGESS": "3"}, "GREENSERVE_MAX_IMAGESS"),
+])
+def test_bad_values_fail_naming_the_variable(env: dict[str, str], needle: str) -> None:
+    with pytest.raises(SettingsError, match=needle):
+        Settings.from_env(env)
+
+
+def test_settings_are_frozen() -> None:
+    s = Settings()
+    with pytest.raises(AttributeError):
+        s.model = "resnet18"  # type: ignore[misc]
+
+
+def test_torch_threads_default_to_core_share() -> None:
+    assert Settings(workers=2).torch_threads_per_worker(cores=2) == 1
+    assert Settings(workers=1).torch_threads_per_worker(cores=8) == 8
+    assert Settings(workers=4).torch_threads_per_worker(cores=2) == 1
+    assert Settings(workers=2, torch_threads=3).torch_threads_per_worker(cores=2) == 3
+
+
+def test_base_origin_is_scheme_host_port() -> None:
+    assert Settings(image_base_url="http://Cdn.Example.com:9000/album/").base_origin == "http://cdn.example.com:9000"
+
+
+def test_settings_table_lists_every_variable() -> None:
+    table = settings_table()
+    for name in ("GREENSERVE_BIND", "GREENSERVE_MODEL", "GREENSERVE_WEIGHTS", "GREENSERVE_DEVICE",
+                 "GREENSERVE_MAX_IMAGE_PIXELS", "GREENSERVE_FETCH_ALLOW"):
+        assert f"`{name}`" in table
