@@ -43,10 +43,10 @@ class GunicornServer:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self) -> "GunicornServer":
-        log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen([sys.executable, "-m", "gunicorn", "-c", "gunicorn.conf.py",
-                                      *self.extra_args, "wsgi:app"],
-                                     cwd=ROOT, env=self.env, stdout=log, stderr=subprocess.STDOUT)
+        with open(self.log_path, "wb") as log:  # the child keeps its own copy of the descriptor
+            self.proc = subprocess.Popen([sys.executable, "-m", "gunicorn", "-c", "gunicorn.conf.py",
+                                          *self.extra_args, "wsgi:app"],
+                                         cwd=ROOT, env=self.env, stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + self.ready_timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

@@ -56,6 +56,7 @@ def _start() -> None:
 @bp.after_app_request
 def _finish(response: Response) -> Response:
     response.headers["X-Request-ID"] = g.get("request_id", "")
+    response.headers["X-Worker-PID"] = str(os.getpid())  # which worker answered: for balance diagnostics
     return response
 
 

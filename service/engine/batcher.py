@@ -136,15 +136,15 @@ class Batcher:
 
     def _run(self, batch: list[_Item]) -> None:
         started = time.monotonic()
-        try:
-            feats, logits = self._pool.apply(_forward_stacked, (self._run_batch, [it.pixels for it in batch]))
-        except Exception as exc:  # the model raised: fail these images, keep serving
-            log.exception("inference failed on a batch of %d image(s)", len(batch))
+        outcome = self._pool.apply(_forward_stacked, (self._run_batch, [it.pixels for it in batch]))
+        if isinstance(outcome, BaseException):  # the model raised: fail these images, keep serving
+            log.error("inference failed on a batch of %d image(s)", len(batch), exc_info=outcome)
             err = InferenceFailed(f"the model failed on a batch of {len(batch)} image(s) "
-                                  f"({type(exc).__name__}); the request can be retried")
+                                  f"({type(outcome).__name__}); the request can be retried")
             for item in batch:
                 item.result.set_exception(err)
             return
+        feats, logits = outcome
         seconds = time.monotonic() - started
         self.stats.record(len(batch), seconds)
         for i, item in enumerate(batch):
@@ -152,7 +152,11 @@ class Batcher:
                                 seconds, len(batch)))
 
 
-def _forward_stacked(run_batch: RunBatch, pixels: list[np.ndarray]) -> tuple:
-    """In the inference thread: stack, forward, hand back numpy rows."""
-    feats, logits = run_batch(np.stack(pixels))
-    return (None if feats is None else feats.numpy()), logits.numpy()
+def _forward_stacked(run_batch: RunBatch, pixels: list[np.ndarray]) -> tuple | Exception:
+    """In the inference thread: stack, forward, hand back numpy rows (or the model's exception, which
+    the collector logs once; raising here would make gevent print it as a crashed task too)."""
+    try:
+        feats, logits = run_batch(np.stack(pixels))
+        return (None if feats is None else np.asarray(feats)), np.asarray(logits)
+    except Exception as exc:
+        return exc

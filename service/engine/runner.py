@@ -20,7 +20,7 @@ from gevent.threadpool import ThreadPool
 
 from service.engine.batcher import Batcher
 from service.engine.model import ModelInfo
-from service.errors import Overloaded
+from service.errors import GreenserveError, Overloaded
 from service.engine.transform import Transform
 from service.settings import Settings
 
@@ -131,8 +131,15 @@ class Runner:
     # ------------------------------------------------------------------ work
 
     def offload(self, fn: Callable[..., T], *args: Any) -> T:
-        """Run CPU-bound ``fn`` in a native decode thread; the calling greenlet waits cooperatively."""
-        return self._decode_pool.apply(fn, args)
+        """Run CPU-bound ``fn`` in a native decode thread; the calling greenlet waits cooperatively.
+
+        ``GreenserveError``s (a bad image, say) are carried back and raised here, in the greenlet;
+        gevent would otherwise print each one as a crashed task.
+        """
+        outcome = self._decode_pool.apply(_capture_expected, (fn, args))
+        if isinstance(outcome, _Raised):
+            raise outcome.error
+        return outcome
 
     def infer(self, pixels: np.ndarray, deadline: float | None = None) -> AsyncResult:
         return self.batcher.submit(pixels, deadline)
@@ -140,3 +147,17 @@ class Runner:
     def _forward(self, batch: np.ndarray) -> tuple[Any, Any]:
         assert self.model is not None and threading.current_thread() is not threading.main_thread()
         return self.model.forward(batch)
+
+
+class _Raised:
+    __slots__ = ("error",)
+
+    def __init__(self, error: GreenserveError) -> None:
+        self.error = error
+
+
+def _capture_expected(fn: Callable[..., T], args: tuple[Any, ...]) -> T | _Raised:
+    try:
+        return fn(*args)
+    except GreenserveError as err:
+        return _Raised(err)
