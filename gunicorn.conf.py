@@ -3,6 +3,8 @@
 Never import torch here: this file runs in the master, and torch state does not survive fork.
 """
 
+from gunicorn import systemd
+
 from service.settings import Settings
 from service import worker as _worker
 
@@ -29,6 +31,11 @@ loglevel = _settings.log_level
 proc_name = "greenserve"
 # No gunicornc control socket: it is not used, and two instances on one host would fight over its path.
 control_socket_disable = True
+
+
+def on_exit(server):
+    """Tell systemd (Type=notify) we are going down; gunicorn itself only sends READY=1."""
+    systemd.sd_notify("STOPPING=1", server.log)
 
 
 def post_fork(server, worker):

@@ -1,0 +1,76 @@
+"""``greenserve`` command line: what an operator runs besides the server itself.
+
+    greenserve download-weights MODEL   put torchvision's pretrained file into the local torch cache
+    greenserve settings [--markdown]    every GREENSERVE_* setting with its default (the README table)
+    greenserve models                   the torchvision classification models that can be served
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+
+from service.settings import Settings, SettingsError, settings_table
+
+_HASH_RE = re.compile(r"-([a-f0-9]{6,})\.")
+
+
+def download_weights(name: str, *, url: str | None = None, verify_hash: bool = True) -> str:
+    """Fetch ``name``'s default torchvision weights into ``$TORCH_HOME/hub/checkpoints``; returns the path.
+
+    ``url`` may point at an internal mirror of the same file; its SHA-256 prefix (in the official file
+    name) is still checked unless ``verify_hash`` is false.
+    """
+    import torch
+    from torchvision.models import get_model_weights
+
+    official = get_model_weights(name).DEFAULT.url
+    filename = os.path.basename(official)
+    dest_dir = os.path.join(torch.hub.get_dir(), "checkpoints")
+    os.makedirs(dest_dir, exist_ok=True)
+    dest = os.path.join(dest_dir, filename)
+    if os.path.isfile(dest):
+        return dest
+    match = _HASH_RE.search(filename)
+    torch.hub.download_url_to_file(url or official, dest, hash_prefix=match.group(1) if match and verify_hash else None,
+                                   progress=sys.stderr.isatty())
+    return dest
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="greenserve", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    dl = sub.add_parser("download-weights", help="download pretrained weights into the torch cache")
+    dl.add_argument("model", help="torchvision model name, e.g. resnet50")
+    dl.add_argument("--url", help="mirror URL of the same file (default: torchvision's)")
+    dl.add_argument("--no-verify-hash", action="store_true", help="skip the SHA-256 prefix check")
+    st = sub.add_parser("settings", help="show settings (current values, or the README table)")
+    st.add_argument("--markdown", action="store_true", help="print the Markdown table of all settings")
+    sub.add_parser("models", help="list servable torchvision classification models")
+    args = parser.parse_args(argv)
+
+    if args.command == "download-weights":
+        path = download_weights(args.model, url=args.url, verify_hash=not args.no_verify_hash)
+        print(path)
+    elif args.command == "settings":
+        if args.markdown:
+            print(settings_table())
+        else:
+            try:
+                values = Settings.from_env().describe()
+            except SettingsError as exc:
+                print(f"error: {exc}", file=sys.stderr)
+                return 2
+            for key, value in values.items():
+                print(f"GREENSERVE_{key.upper()}={value}")
+    elif args.command == "models":
+        from service.engine.model import classification_models
+
+        print("\n".join(classification_models()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,39 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from bench.imagehost import ImageHost
+from service import cli
+from service.engine.model import load_model
+
+
+def test_download_weights_fills_the_cache_that_imagenet_mode_reads(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, weights_file: Path) -> None:
+    monkeypatch.setattr(torch.hub, "get_dir", lambda: str(tmp_path / "hub"))
+    with ImageHost({"resnet18.pth": weights_file.read_bytes()}) as mirror:
+        # a mirror of a different file: the official SHA-256 prefix cannot match, so skip the check
+        path = cli.download_weights("resnet18", url=mirror.url("resnet18.pth"), verify_hash=False)
+    assert Path(path).parent == tmp_path / "hub" / "checkpoints"
+    assert load_model("resnet18", "imagenet").info.weights == "imagenet"
+
+
+def test_download_weights_checks_the_hash(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.hub, "get_dir", lambda: str(tmp_path / "hub"))
+    with ImageHost({"bad.pth": b"not the weights"}) as mirror:
+        with pytest.raises(RuntimeError, match="invalid hash"):
+            cli.download_weights("resnet18", url=mirror.url("bad.pth"))
+    assert not list((tmp_path / "hub" / "checkpoints").iterdir())
+
+
+def test_settings_markdown(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["settings", "--markdown"]) == 0
+    assert "`GREENSERVE_MODEL`" in capsys.readouterr().out
+
+
+def test_settings_error_exits_2(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("GREENSERVE_WORKERS", "many")
+    assert cli.main(["settings"]) == 2
+    assert "GREENSERVE_WORKERS" in capsys.readouterr().err
