@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 TORCH_PINS := torch==2.14.1 torchvision==0.29.1
 STAMP  := $(VENV)/.installed
 
-.PHONY: serve test compare bench clean help
+.PHONY: serve test compare bench clean help readme
 
 help:
 	@echo "make serve    create .venv, install, start gunicorn -k gevent on \$$GREENSERVE_BIND (127.0.0.1:8000)"
@@ -33,3 +33,7 @@ compare: $(STAMP)
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache
+
+# Regenerate the README's settings table from service/settings.py.
+readme: $(STAMP)
+	$(BIN)/python -c "import re,pathlib; from service.settings import settings_table as t; p=pathlib.Path('README.md'); s=p.read_text(); p.write_text(re.sub(r'(<!-- settings-table:.*?-->\n).*?(<!-- /settings-table -->)', lambda m: m.group(1)+t()+'\n'+m.group(2), s, flags=re.S))"

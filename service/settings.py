@@ -59,6 +59,9 @@ class Settings:
         (), "comma-separated origins (http://10.0.0.5:9000) and/or CIDRs the fetcher may reach even "
         "though they are not public", parse="list", factory=tuple)
     fetch_concurrency: int = _setting(16, "concurrent fetches per request", parse="int", lo=1, hi=256)
+    fetch_worker_concurrency: int = _setting(64, "concurrent fetches per worker, all its requests together "
+                                             "(also the idle keep-alive connections kept per host)",
+                                             parse="int", lo=1, hi=4096)
     fetch_connect_timeout_s: float = _setting(3.0, "connect timeout per fetch", unit="s", parse="float",
                                               lo=0.05, hi=120)
     fetch_timeout_s: float = _setting(10.0, "total deadline per fetched image (all retries included)",
@@ -168,7 +171,9 @@ def settings_table() -> str:
             default = "number of cores" if f.name == "workers" else "(empty)"
         if isinstance(default, bool):
             default = str(default).lower()
-        rows.append(f"| `{env_name(f.name)}` | `{default}` | {f.metadata['unit']} | {f.metadata['doc']} |")
+        shown = f"`{default}`" if default not in ("", "(empty)", "number of cores") else default or "(empty)"
+        doc = f.metadata["doc"].replace("|", "\\|")
+        rows.append(f"| `{env_name(f.name)}` | {shown} | {f.metadata['unit']} | {doc} |")
     return "\n".join(rows)
 
 
