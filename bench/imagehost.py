@@ -11,7 +11,11 @@ Serves in-memory blobs and/or a directory on 127.0.0.1. Per-request knobs in the
     ctype=T        Content-Type T instead of the one guessed from the name
     length=N       declare Content-Length N whatever the body is
     gzip=1         send the body gzip-encoded (Content-Encoding: gzip)
+    encoding=E     claim Content-Encoding E without encoding the body (a lying or exotic host)
     reset=1        reset the connection (RST) instead of answering
+
+The host counts what it saw: ``hits`` per path, ``connections`` accepted (keep-alive shows as fewer
+connections than requests), ``max_inflight`` requests handled at once. ``tls=`` serves HTTPS.
 
 ``python -m bench.imagehost --dir DIR --port P [--latency-ms L]`` runs it standalone.
 """
@@ -23,6 +27,7 @@ import gzip
 import mimetypes
 import os
 import socket
+import ssl
 import struct
 import threading
 import time
@@ -40,6 +45,8 @@ class _Server(ThreadingHTTPServer):
     def __init__(self, host: "ImageHost") -> None:
         self.host = host
         super().__init__((host.bind, host.port), _Handler)
+        if host.tls is not None:
+            self.socket = host.tls.wrap_socket(self.socket, server_side=True, do_handshake_on_connect=False)
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -49,7 +56,23 @@ class _Handler(BaseHTTPRequestHandler):
     def log_message(self, format: str, *args: object) -> None:  # quiet: tests read ``host.hits``
         pass
 
+    def setup(self) -> None:
+        with self.server.host.lock:
+            self.server.host.connections += 1
+        super().setup()
+
     def do_GET(self) -> None:  # noqa: N802 - http.server's naming
+        host = self.server.host
+        with host.lock:
+            host.inflight += 1
+            host.max_inflight = max(host.max_inflight, host.inflight)
+        try:
+            self._get()
+        finally:
+            with host.lock:
+                host.inflight -= 1
+
+    def _get(self) -> None:
         host = self.server.host
         parts = urlsplit(self.path)
         q = {k: v[-1] for k, v in parse_qs(parts.query).items()}
@@ -88,6 +111,8 @@ class _Handler(BaseHTTPRequestHandler):
         if q.get("gzip"):
             body = gzip.compress(body)
             headers["Content-Encoding"] = "gzip"
+        if q.get("encoding"):
+            headers["Content-Encoding"] = q["encoding"]
         headers["Content-Length"] = q.get("length", str(len(body)))
         self._send(200, headers)
         if "drip" in q:
@@ -124,6 +149,7 @@ class _Handler(BaseHTTPRequestHandler):
         chunk = b"\xff" * 65536
         deadline = time.monotonic() + 60  # bounded: a test host must stop by itself
         try:
+            self.wfile.write(b"\xff\xd8\xff\xe0")  # starts like a JPEG, so only a byte cap stops it
             while time.monotonic() < deadline:
                 self.wfile.write(chunk)
         except OSError:
@@ -134,14 +160,18 @@ class ImageHost:
     """``with ImageHost(blobs) as host: host.url("a.jpg")``."""
 
     def __init__(self, blobs: dict[str, bytes] | None = None, *, directory: str | os.PathLike | None = None,
-                 bind: str = "127.0.0.1", port: int = 0, latency_s: float = 0.0) -> None:
+                 bind: str = "127.0.0.1", port: int = 0, latency_s: float = 0.0,
+                 tls: ssl.SSLContext | None = None) -> None:
         self.blobs = dict(blobs or {})
         self.directory = Path(directory) if directory else None
-        self.bind, self.port, self.latency_s = bind, port, latency_s
+        self.bind, self.port, self.latency_s, self.tls = bind, port, latency_s, tls
         self.lock = threading.Lock()
         self.hits: Counter[str] = Counter()
         self.hits_full: Counter[str] = Counter()
         self.headers_seen: list[dict[str, str]] = []
+        self.connections = 0
+        self.inflight = 0
+        self.max_inflight = 0
         self._server: _Server | None = None
 
     def get(self, name: str) -> bytes | None:
@@ -155,7 +185,7 @@ class ImageHost:
 
     @property
     def base_url(self) -> str:
-        return f"http://{self.bind}:{self.port}/"
+        return f"{'https' if self.tls else 'http'}://{self.bind}:{self.port}/"
 
     def url(self, name: str, **knobs: object) -> str:
         query = "&".join(f"{k}={v}" for k, v in knobs.items())
@@ -174,6 +204,60 @@ class ImageHost:
             self._server = None
 
     def __enter__(self) -> "ImageHost":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+class Canary:
+    """A listener that must stay untouched: counts every TCP connection to 127.0.0.1:port (and [::1]:port).
+
+    SSRF tests point blocked URLs at it; any connection at all means the guard let one through.
+    ``with Canary() as canary: ...; assert canary.connections == 0``.
+    """
+
+    def __init__(self) -> None:
+        self.connections = 0
+        self.peers: list[str] = []
+        self.lock = threading.Lock()
+        self._socks: list[socket.socket] = []
+        self.port = 0
+        self.ipv6 = False
+
+    def start(self) -> "Canary":
+        v4 = socket.create_server(("127.0.0.1", 0))
+        self.port = v4.getsockname()[1]
+        self._socks.append(v4)
+        try:  # same port on IPv6 loopback, where the machine has it
+            self._socks.append(socket.create_server(("::1", self.port), family=socket.AF_INET6))
+            self.ipv6 = True
+        except OSError:
+            pass  # no IPv6 loopback here: the IPv6 cases still must be refused, they just cannot connect
+        for sock in self._socks:
+            threading.Thread(target=self._accept, args=(sock,), name="canary", daemon=True).start()
+        return self
+
+    def _accept(self, sock: socket.socket) -> None:
+        while True:
+            try:
+                conn, peer = sock.accept()
+            except OSError:
+                return  # closed by stop()
+            with self.lock:
+                self.connections += 1
+                self.peers.append(str(peer))
+            conn.close()
+
+    def stop(self) -> None:
+        for sock in self._socks:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)  # wakes the thread blocked in accept()
+            except OSError:
+                pass  # not connected: Linux still wakes accept(); close() below releases the port
+            sock.close()
+
+    def __enter__(self) -> "Canary":
         return self.start()
 
     def __exit__(self, *exc: object) -> None:

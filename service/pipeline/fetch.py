@@ -1,27 +1,56 @@
-"""Stage 1: fetch image URLs concurrently on greenlets, each bounded in time and bytes.
+"""Stage 1: fetch image URLs concurrently on greenlets, each bounded in time, bytes, hops and retries.
 
-One ``requests.Session`` per worker (keep-alive per host over gevent's patched sockets); a pool of
-``GREENSERVE_FETCH_CONCURRENCY`` greenlets per request. requests' own timeouts are per socket read,
-so a drip-feeding host never trips them: a ``gevent.Timeout`` bounds each image's total time.
+    fetch_many  a gevent pool per request (GREENSERVE_FETCH_CONCURRENCY) inside a per-worker cap
+                (GREENSERVE_FETCH_WORKER_CONCURRENCY); a URL given twice is fetched once; results come in
+                completion order so decoding starts with the first image back
+    fetch       one image under a *total* deadline (gevent.Timeout: requests' timeouts are per socket read,
+                and a drip-feeding host never trips them); bounded retries with jittered backoff for connect
+                errors and 429/502/503/504, Retry-After honoured when it fits the deadline; never for 4xx
+    _follow     one attempt: redirects followed by hand, every hop checked by the address guard (ssrf.py),
+                which also makes the connection go to exactly the checked address
+    _read       the body streamed against GREENSERVE_MAX_IMAGE_BYTES (Content-Length first, then as bytes
+                arrive); gzip/deflate decoded here, within the same cap; the bytes, not Content-Type, decide
+                whether it is an image
+
+One ``requests.Session`` per worker keeps connections alive per host. Its sockets are gevent's (see
+``ssrf.PinnedHTTPConnection``), so the hub only waits. Every failure is an ``ImageError`` with a stable
+code for that one image: a host that is down fails its images, never the worker.
 """
 
 from __future__ import annotations
 
+import email.utils
 import logging
+import random
 import time
+import zlib
+from datetime import timezone
+from http.cookiejar import DefaultCookiePolicy
 from typing import Iterator, Protocol, Sequence
+from urllib.parse import urljoin, urlsplit
 
 import gevent
 import gevent.pool
 import requests
+from gevent.lock import BoundedSemaphore
+from urllib3.exceptions import HTTPError as Urllib3Error
 
-from service.errors import FetchError, ImageError, ImageTooLarge
+from service.errors import FetchError, ImageError, ImageTooLarge, NotAnImage
+from service.pipeline.decode import sniff_refused_format
+from service.pipeline.ssrf import SCHEMES, AddressPolicy, GuardedAdapter, url_not_allowed
 from service.settings import Settings
 
 log = logging.getLogger(__name__)
 
 CHUNK_BYTES = 64 * 1024
+SNIFF_BYTES = 1024  # enough for every magic number decode.py knows, SVG's "<svg" included
 USER_AGENT = "greenserve/0.1 (+image fetcher)"
+RETRY_STATUSES = frozenset({429, 502, 503, 504})
+REDIRECT_STATUSES = frozenset({301, 302, 303, 307, 308})
+BACKOFF_BASE_S = 0.1  # first retry after ~0.1 s, then 0.2, 0.4 ... (x0.5-1.5 jitter), at most BACKOFF_CAP_S
+BACKOFF_CAP_S = 2.0
+HOST_POOLS = 64  # hosts (per pinned address) whose keep-alive connections a worker keeps
+_IMAGE_MAGIC = (b"\xff\xd8\xff", b"\x89PNG\r\n\x1a\n", b"GIF87a", b"GIF89a", b"BM")
 
 FetchResult = bytes | ImageError
 
@@ -33,76 +62,223 @@ class Fetcher(Protocol):
                    request_id: str = "") -> Iterator[tuple[int, FetchResult]]: ...
 
 
+class _Retry(Exception):
+    """An attempt failed in a way another attempt may fix (``retry_after``: what the host asked for)."""
+
+    def __init__(self, error: FetchError, retry_after: float | None = None) -> None:
+        super().__init__(error.message)
+        self.error = error
+        self.retry_after = retry_after
+
+
 class HttpFetcher:
-    def __init__(self, settings: Settings, session: requests.Session | None = None) -> None:
+    """The worker's fetcher. ``session`` (optional) gets the guarded adapters mounted in place of its own;
+    ``policy`` replaces the one built from settings; ``verify`` is requests' TLS verify (a CA bundle path)."""
+
+    def __init__(self, settings: Settings, session: requests.Session | None = None, *,
+                 policy: AddressPolicy | None = None, verify: bool | str = True) -> None:
         self.settings = settings
-        self.session = session or _session(settings)
+        self.policy = policy or AddressPolicy.from_settings(settings)
+        self.session = _configure(session or requests.Session(), settings, self.policy)
+        self.verify = verify
+        self._slots = BoundedSemaphore(settings.fetch_worker_concurrency)
 
     def fetch_many(self, urls: Sequence[str], *, deadline: float | None = None,
                    request_id: str = "") -> Iterator[tuple[int, FetchResult]]:
+        positions: dict[str, list[int]] = {}
+        for i, url in enumerate(urls):
+            positions.setdefault(url, []).append(i)
         pool = gevent.pool.Pool(self.settings.fetch_concurrency)
 
-        def one(i: int) -> tuple[int, FetchResult]:
-            result = self.fetch(urls[i], deadline=deadline)
+        def one(url: str) -> tuple[str, FetchResult]:
+            result = self.fetch(url, deadline=deadline)
             if isinstance(result, ImageError):
-                log.warning("fetch failed request_id=%s url=%s code=%s: %s", request_id, urls[i],
+                log.warning("fetch failed request_id=%s url=%s code=%s: %s", request_id, url[:200],
                             result.code, result.message)
-            return i, result
+            return url, result
 
-        yield from pool.imap_unordered(one, range(len(urls)))
+        try:
+            for url, result in pool.imap_unordered(one, list(positions)):
+                for i in positions[url]:
+                    yield i, result
+        finally:
+            pool.kill(block=False)  # the caller stopped early (request deadline, error): stop the rest
 
     def fetch(self, url: str, *, deadline: float | None = None) -> FetchResult:
         """One image, as bytes or as the error that explains why not. Never raises for the URL's sake."""
-        budget = self.settings.fetch_timeout_s
-        if deadline is not None:
-            budget = min(budget, deadline - time.monotonic())
-        if budget <= 0:
-            return FetchError("the request deadline passed before this image was fetched",
+        wait = None if deadline is None else deadline - time.monotonic()
+        if wait is not None and wait <= 0 or not self._slots.acquire(timeout=wait):
+            return FetchError("the request deadline passed before this image could be fetched",
                               code="fetch_timeout")
         try:
-            with gevent.Timeout(budget):
-                return self._get(url)
-        except gevent.Timeout:
-            return FetchError(f"fetching took longer than {budget:.1f}s; check the image host or raise "
-                              "GREENSERVE_FETCH_TIMEOUT_S", code="fetch_timeout")
-        except ImageError as err:
-            return err
+            budget = self.settings.fetch_timeout_s
+            if deadline is not None:
+                budget = min(budget, deadline - time.monotonic())
+            if budget <= 0:
+                return FetchError("the request deadline passed before this image could be fetched",
+                                  code="fetch_timeout")
+            with gevent.Timeout(budget) as timer:
+                try:
+                    return self._with_retries(url, time.monotonic() + budget)
+                except gevent.Timeout as exc:
+                    if exc is not timer:
+                        raise
+                    return FetchError(f"fetching took longer than {budget:.1f}s; check the image host or "
+                                      "raise GREENSERVE_FETCH_TIMEOUT_S", code="fetch_timeout")
+                except ImageError as err:
+                    return err
+        finally:
+            self._slots.release()
 
-    def _get(self, url: str) -> bytes:
-        cap = self.settings.max_image_bytes
+    def _with_retries(self, url: str, until: float) -> bytes:
+        retries = self.settings.fetch_retries
+        for attempt in range(retries + 1):
+            try:
+                return self._follow(url, until)
+            except _Retry as retry:
+                error = retry.error
+                if attempt == retries:
+                    raise FetchError(f"{error.message} (after {retries + 1} attempts)", code=error.code,
+                                     details=error.details) from retry
+                wait = retry.retry_after if retry.retry_after is not None else _backoff(attempt)
+                if time.monotonic() + wait >= until:
+                    # the host asked for more time than the deadline leaves: fail now, not at the deadline
+                    raise FetchError(f"{error.message}; retrying after {wait:.1f}s would pass the "
+                                     "deadline", code=error.code, details=error.details) from retry
+                gevent.sleep(wait)
+        raise AssertionError("unreachable: the last attempt returns or raises")
+
+    def _follow(self, url: str, until: float) -> bytes:
+        for _ in range(self.settings.fetch_max_redirects + 1):
+            with self._send(url, until) as resp:
+                target = self.session.get_redirect_target(resp) if resp.status_code in REDIRECT_STATUSES else None
+                if target:
+                    url = urljoin(resp.url, target)
+                    if urlsplit(url).scheme.lower() not in SCHEMES:
+                        raise url_not_allowed(f"the image host redirected to a {urlsplit(url).scheme}: URL, "
+                                              "which is not fetched (only http and https)", hint=False)
+                    continue
+                if resp.status_code == 200:
+                    return self._read(resp)
+                raise _status_error(resp)
+        raise FetchError(f"more than {self.settings.fetch_max_redirects} redirects; link the image itself or "
+                         "raise GREENSERVE_FETCH_MAX_REDIRECTS", code="fetch_failed")
+
+    def _send(self, url: str, until: float) -> requests.Response:
+        timeout = (self.settings.fetch_connect_timeout_s, max(0.05, until - time.monotonic()))
         try:
-            with self.session.get(url, stream=True, allow_redirects=True,
-                                  timeout=(self.settings.fetch_connect_timeout_s, self.settings.fetch_timeout_s)) as r:
-                if r.status_code != 200:
-                    raise FetchError(f"the image host answered HTTP {r.status_code} for this URL",
-                                     code="fetch_failed", details=[{"upstream_status": r.status_code}])
-                declared = r.headers.get("Content-Length")
-                if declared and declared.isdigit() and int(declared) > cap:
-                    raise _too_large(int(declared), cap)
-                body = bytearray()
-                for chunk in r.iter_content(CHUNK_BYTES):
-                    body += chunk
-                    if len(body) > cap:
-                        raise _too_large(len(body), cap, more=True)
-                return bytes(body)
-        except requests.TooManyRedirects as exc:
-            raise FetchError(f"more than {self.settings.fetch_max_redirects} redirects",
-                             code="fetch_failed") from exc
+            return self.session.get(url, stream=True, allow_redirects=False, verify=self.verify,
+                                    timeout=timeout)
+        except requests.exceptions.SSLError as exc:
+            raise FetchError(f"TLS with the image host failed: {_reason(exc)}", code="fetch_failed") from exc
+        except requests.ConnectTimeout as exc:
+            raise _Retry(FetchError(f"connecting to the image host took longer than {timeout[0]}s",
+                                    code="fetch_timeout")) from exc
+        except requests.ConnectionError as exc:
+            # refused, unreachable or reset before any answer: a GET is safe to send again
+            raise _Retry(FetchError(f"could not fetch the image: {_reason(exc)}", code="fetch_failed")) from exc
         except requests.Timeout as exc:
             raise FetchError("the image host did not answer in time", code="fetch_timeout") from exc
-        except (requests.ConnectionError, requests.RequestException) as exc:
+        except (requests.exceptions.InvalidURL, requests.exceptions.InvalidSchema,
+                requests.exceptions.MissingSchema) as exc:
+            raise FetchError(f"the URL is not valid: {_reason(exc)}", code="invalid_url") from exc
+        except requests.RequestException as exc:
             raise FetchError(f"could not fetch the image: {_reason(exc)}", code="fetch_failed") from exc
 
+    def _read(self, resp: requests.Response) -> bytes:
+        cap = self.settings.max_image_bytes
+        declared = resp.headers.get("Content-Length", "").strip()
+        if declared.isdigit() and int(declared) > cap:
+            raise _too_large(int(declared), cap)
+        decoder = _decoder(resp.headers.get("Content-Encoding", ""))
+        body, received, sniffed = bytearray(), 0, False
+        try:
+            for chunk in resp.raw.stream(CHUNK_BYTES, decode_content=False):
+                received += len(chunk)
+                if received > cap:
+                    raise _too_large(received, cap, more=True)
+                if decoder is not None:  # max_length: a bomb never inflates past the cap in memory
+                    body += decoder.decompress(chunk, cap + 1 - len(body))
+                    if decoder.unconsumed_tail:
+                        raise _too_large(len(body), cap, more=True)
+                else:
+                    body += chunk
+                if len(body) > cap:
+                    raise _too_large(len(body), cap, more=True)
+                if not sniffed and len(body) >= SNIFF_BYTES:
+                    sniffed = _sniff(body)  # a web page served as image/jpeg stops here, not at the cap
+            if decoder is not None:
+                body += decoder.flush()
+                if not decoder.eof or len(body) > cap:
+                    raise FetchError("the compressed body is truncated or too large", code="fetch_failed")
+        except (Urllib3Error, OSError, zlib.error) as exc:
+            raise FetchError(f"the connection broke while reading the image: {_reason(exc)}",
+                             code="fetch_failed") from exc
+        if body and not sniffed:
+            _sniff(body)
+        return bytes(body)
 
-def _session(settings: Settings) -> requests.Session:
-    s = requests.Session()
-    s.max_redirects = settings.fetch_max_redirects
-    s.headers["User-Agent"] = USER_AGENT
-    s.trust_env = False  # a proxy from the environment must not silently route the fetcher
-    adapter = requests.adapters.HTTPAdapter(pool_connections=32, pool_maxsize=settings.fetch_concurrency)
-    s.mount("http://", adapter)
-    s.mount("https://", adapter)
-    return s
+
+def _configure(session: requests.Session, settings: Settings, policy: AddressPolicy) -> requests.Session:
+    session.headers.update({"User-Agent": USER_AGENT, "Accept": "image/*",
+                            "Accept-Encoding": "identity"})  # images are compressed already
+    session.trust_env = False  # a proxy or netrc from the environment must not silently route the fetcher
+    session.max_redirects = settings.fetch_max_redirects
+    # one session serves every caller: a host must not plant cookies that later requests would send
+    session.cookies.set_policy(DefaultCookiePolicy(allowed_domains=[]))
+    adapter = GuardedAdapter(policy, pool_connections=HOST_POOLS, pool_maxsize=settings.fetch_worker_concurrency,
+                             max_retries=0)
+    session.adapters.clear()  # no other mount (a longer prefix) may bypass the guard
+    session.mount("http://", adapter)
+    session.mount("https://", adapter)
+    return session
+
+
+def _status_error(resp: requests.Response) -> Exception:
+    status = resp.status_code
+    hint = "check the URL" if 400 <= status < 500 and status != 429 else "the image host may be down"
+    error = FetchError(f"the image host answered HTTP {status} {resp.reason or ''}".rstrip() + f"; {hint}",
+                       code="fetch_failed", details=[{"upstream_status": status}])
+    if status in RETRY_STATUSES:
+        return _Retry(error, _retry_after(resp.headers.get("Retry-After")))
+    return error
+
+
+def _retry_after(value: str | None) -> float | None:
+    """Seconds from a Retry-After header (delta-seconds or an HTTP date); None when absent or unreadable."""
+    value = (value or "").strip()
+    if value.isdigit():
+        return float(value)
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError, IndexError):
+        return None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=timezone.utc)
+    return max(0.0, when.timestamp() - time.time())
+
+
+def _backoff(attempt: int) -> float:
+    return min(BACKOFF_CAP_S, BACKOFF_BASE_S * 2 ** attempt) * random.uniform(0.5, 1.5)
+
+
+def _decoder(header: str) -> zlib._Decompress | None:  # type: ignore[name-defined]
+    codings = [c.strip().lower() for c in header.split(",") if c.strip().lower() not in ("", "identity")]
+    if not codings:
+        return None
+    if len(codings) == 1 and codings[0] in ("gzip", "x-gzip", "deflate"):
+        return zlib.decompressobj(wbits=32 + zlib.MAX_WBITS)  # 32: gzip or zlib header, detected
+    raise FetchError(f"the image host sent Content-Encoding {header!r}; only gzip and deflate are decoded",
+                     code="fetch_failed")
+
+
+def _sniff(head: bytes | bytearray) -> bool:
+    """True when ``head`` starts like an image (one decode accepts or names); NotAnImage otherwise."""
+    head = bytes(head[:SNIFF_BYTES])
+    if head.startswith(_IMAGE_MAGIC) or head[:4] == b"RIFF" and head[8:12] == b"WEBP" or sniff_refused_format(head):
+        return True
+    raise NotAnImage("the URL did not return an image (JPEG, PNG, WebP, GIF or BMP); check that it points at "
+                     "the image itself, not a web page", code="not_an_image")
 
 
 def _too_large(size: int, cap: int, more: bool = False) -> ImageTooLarge:
@@ -111,5 +287,12 @@ def _too_large(size: int, cap: int, more: bool = False) -> ImageTooLarge:
 
 
 def _reason(exc: BaseException) -> str:
-    text = str(exc)
+    """The root cause in words ("Connection refused"), not requests' and urllib3's wrappers around it."""
+    for _ in range(8):  # requests error -> MaxRetryError.reason -> NewConnectionError -> OSError
+        last = exc.args[-1] if exc.args else None
+        inner = getattr(exc, "reason", None) or (last if isinstance(last, BaseException) else None) or exc.__cause__
+        if not isinstance(inner, BaseException):
+            break
+        exc = inner
+    text = exc.strerror if isinstance(exc, OSError) and isinstance(exc.strerror, str) else str(exc)
     return text if len(text) < 200 else text[:200] + "..."
