@@ -1,21 +1,27 @@
 """gunicorn settings for greenserve. Values come from GREENSERVE_* variables (see the README table).
 
-Never import torch here: this file runs in the master, and torch state does not survive fork.
+This file runs in the master: never import torch (or create metric objects) here; torch state does not
+survive fork. The hooks only prepare what workers share: the metrics directory and the load board.
 """
+
+import os
+import shutil
+import tempfile
 
 from gunicorn import systemd
 
-from service.settings import Settings
 from service import worker as _worker
+from service.settings import Settings
 
 _settings = Settings.from_env()  # bad values stop the master at start-up, naming the variable
 
 bind = _settings.bind
 workers = _settings.workers
-# gevent: greenlets do the I/O; each worker runs its model in one native thread of its own.
-worker_class = "gevent"
-# Cap concurrent connections per worker so a worker with a saturated model cannot hoard clients.
-worker_connections = 1000
+# gevent greenlets do the I/O; each worker runs its model in one native thread. This subclass of
+# gunicorn's gevent worker adds an accept gate so a busy worker lets an idle sibling take new clients.
+worker_class = "service.gworker.GreenserveWorker"
+# Concurrent connections per worker (gevent's default is 1000); admission control answers 503 long before.
+worker_connections = 256
 # Load the app (and so the model) in each worker after fork: libgomp/CUDA are not fork-safe.
 preload_app = False
 # The hub stays responsive while inference runs in a thread, so this only fires on a real hang.
@@ -33,11 +39,30 @@ proc_name = "greenserve"
 control_socket_disable = True
 
 
-def on_exit(server):
-    """Tell systemd (Type=notify) we are going down; gunicorn itself only sends READY=1."""
-    systemd.sd_notify("STOPPING=1", server.log)
+def on_starting(server):
+    """Before any fork: a fresh prometheus multiprocess directory and the shared load board."""
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="greenserve-metrics-")
+    _worker.create_board()
+
+
+def pre_fork(server, worker):
+    """Give the worker-to-be a slot on the load board (also its ordinal for GPU spreading)."""
+    worker.greenserve_slot = _worker.board().claim()
 
 
 def post_fork(server, worker):
-    """Record which worker this is (spreads workers over GPUs); no torch, no threads yet."""
-    _worker.set_ordinal(worker.age - 1)
+    _worker.set_slot(worker.greenserve_slot)
+
+
+def child_exit(server, worker):
+    """A worker died or retired: free its slot and drop its live metrics."""
+    _worker.board().release(worker.greenserve_slot)
+    from prometheus_client import multiprocess  # no metric objects: safe in the master
+
+    multiprocess.mark_process_dead(worker.pid)
+
+
+def on_exit(server):
+    """Tell systemd (Type=notify) we are going down; gunicorn itself only sends READY=1."""
+    systemd.sd_notify("STOPPING=1", server.log)
+    shutil.rmtree(os.environ.get("PROMETHEUS_MULTIPROC_DIR", ""), ignore_errors=True)

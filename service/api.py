@@ -17,6 +17,7 @@ from typing import Any
 from flask import Blueprint, Flask, Response, current_app, g, request
 from werkzeug.exceptions import HTTPException
 
+from service import metrics
 from service.engine.runner import Runner
 from service.errors import GreenserveError, RequestError, Unauthorized, UnsupportedMediaType
 from service.pipeline.inputs import InferenceRequest, parse_form, parse_json
@@ -55,6 +56,8 @@ def _start() -> None:
 
 @bp.after_app_request
 def _finish(response: Response) -> Response:
+    route = request.url_rule.rule if request.url_rule else "unmatched"
+    metrics.REQUESTS.labels(route, str(response.status_code)).inc()
     response.headers["X-Request-ID"] = g.get("request_id", "")
     response.headers["X-Worker-PID"] = str(os.getpid())  # which worker answered: for balance diagnostics
     return response
@@ -86,6 +89,7 @@ def handle_unexpected(exc: Exception) -> Response:
 
 
 def error_response(status: int, error: dict[str, Any], headers: dict[str, str]) -> Response:
+    metrics.ERRORS.labels(error["code"]).inc()
     body = json.dumps({"error": error, "request_id": g.get("request_id", "")})
     return Response(body, status=status, headers=headers, mimetype="application/json")
 
@@ -104,12 +108,20 @@ def classify() -> Response:
 
 
 def _infer(task: str) -> Response:
+    _, runner, _ = parts()
+    with runner.request():  # siblings see this worker as busy from here (parsing included)
+        return _run(task)
+
+
+def _run(task: str) -> Response:
     settings, runner, orchestrator = parts()
     req = _parse_request(settings, runner)
     if runner.ready and task not in runner.model.info.tasks:  # type: ignore[union-attr]
         raise RequestError(f"the loaded model does not provide {task}; it provides "
                            f"{', '.join(runner.model.info.tasks)}", code="task_not_supported")  # type: ignore[union-attr]
     body = orchestrator.run(req, task, deadline=_deadline(settings), request_id=g.request_id)
+    for stage, ms in body["timings_ms"].items():
+        metrics.STAGE_SECONDS.labels(stage).observe(ms / 1000)
     body = {"model": runner.model.info.name, **body, "request_id": g.request_id}  # type: ignore[union-attr]
     if task == "embeddings" and len(body["data"]) > OFFLOAD_JSON_ITEMS:
         text = runner.offload(json.dumps, body)
@@ -158,6 +170,12 @@ def models() -> Response:
     if not runner.ready:
         return _json({"data": [], "status": "loading"}, 503)
     return _json({"data": [runner.model.info.public()]})  # type: ignore[union-attr]
+
+
+@bp.get("/metrics")
+def prometheus() -> Response:
+    text, content_type = metrics.exposition()
+    return Response(text, content_type=content_type)
 
 
 @bp.get("/healthz")

@@ -13,7 +13,7 @@ import logging
 
 from flask import Flask
 
-from service import api, logs
+from service import api, logs, metrics
 from service.engine.runner import Model, Runner
 from service.pipeline.decode import configure_pillow
 from service.pipeline.fetch import Fetcher, HttpFetcher
@@ -30,7 +30,8 @@ def create_app(settings: Settings | None = None, *, model: Model | None = None,
     logs.configure(settings.log_level)
     configure_pillow(settings.max_image_pixels)
     runner = Runner(settings, model=model, loader=None if model else functools.partial(_load_model, settings))
-    orchestrator = Orchestrator(runner, fetcher or HttpFetcher(settings), max_pixels=settings.max_image_pixels)
+    orchestrator = Orchestrator(runner, fetcher or HttpFetcher(settings), max_pixels=settings.max_image_pixels,
+                                on_image_error=lambda err: metrics.IMAGE_ERRORS.labels(err.code).inc())
     app = Flask("greenserve")
     app.extensions["greenserve"] = {"settings": settings, "runner": runner, "orchestrator": orchestrator}
     api.register(app)

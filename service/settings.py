@@ -80,6 +80,10 @@ class Settings:
     max_batch: int = _setting(32, "images per forward pass", parse="int", lo=1, hi=4096)
     max_batch_wait_ms: float = _setting(2.0, "how long a non-full batch waits for more images", unit="ms",
                                         parse="float", lo=0, hi=1000)
+    batch_across_requests: bool = _setting(True, "mix images of concurrent requests in one forward (false: "
+                                           "one request per forward)", parse="bool")
+    borrow_idle_cores: bool = _setting(True, "on CPU, a worker whose siblings are all idle runs torch on every "
+                                       "core, and on its share (cores // workers) otherwise", parse="bool")
     max_queue_images: int = _setting(256, "images admitted per worker (queued or running) before 503",
                                      parse="int", lo=1)
     request_timeout_s: float = _setting(60.0, "request deadline (a per-request X-Request-Timeout header "

@@ -1,18 +1,97 @@
-"""Facts about the current gunicorn worker process, recorded by ``gunicorn.conf.py``'s ``post_fork``.
+"""Facts shared between gunicorn's master and its workers, set up by ``gunicorn.conf.py`` hooks.
 
-Kept torch-free: the master imports this module before it forks.
+Kept torch-free and metric-free: the master imports this module before it forks.
+
+- ``LoadBoard``: each worker's number of inference requests in progress, in shared memory the master
+  allocates before forking. A worker reads its siblings' loads to decide whether to stop accepting
+  connections (an idle sibling should take them) and whether it may borrow idle cores for torch.
+- the slot of this worker on the board (also its ordinal, used to spread workers over GPUs);
+- the listening servers of this worker, so the accept gate can pause and resume them.
 """
 
 from __future__ import annotations
 
-_ordinal = 0
+import multiprocessing
+from typing import Any, Protocol
+
+SLOTS = 256  # more than any worker count; a dead worker's slot is reused by its replacement
 
 
-def set_ordinal(age: int) -> None:
-    """gunicorn's ``worker.age`` grows by one per spawned worker: good enough to spread over GPUs."""
-    global _ordinal
-    _ordinal = age
+class Listener(Protocol):
+    def pause_accepting(self) -> None: ...
+
+    def resume_accepting(self) -> None: ...
+
+
+class LoadBoard:
+    def __init__(self, slots: int = SLOTS) -> None:
+        # RawArray: anonymous shared memory, inherited by every forked worker; single-word writes only
+        self._alive = multiprocessing.RawArray("b", slots)
+        self._load = multiprocessing.RawArray("i", slots)
+
+    def claim(self) -> int:
+        """Master, before fork: the first free slot, marked alive with no load."""
+        for i in range(len(self._alive)):
+            if not self._alive[i]:
+                self._alive[i], self._load[i] = 1, 0
+                return i
+        raise RuntimeError(f"more than {len(self._alive)} live workers")
+
+    def release(self, slot: int) -> None:
+        """Master, when a worker exits."""
+        self._alive[slot], self._load[slot] = 0, 0
+
+    def set_load(self, slot: int, load: int) -> None:
+        self._load[slot] = load
+
+    def siblings(self, slot: int) -> tuple[int, int]:
+        """(busy, idle) counts of the other live workers."""
+        busy = idle = 0
+        for i in range(len(self._alive)):
+            if i != slot and self._alive[i]:
+                if self._load[i] > 0:
+                    busy += 1
+                else:
+                    idle += 1
+        return busy, idle
+
+
+_board: LoadBoard | None = None
+_slot = 0
+_listeners: list[Listener] = []
+
+
+def create_board() -> LoadBoard:
+    global _board
+    _board = LoadBoard()
+    return _board
+
+
+def board() -> LoadBoard | None:
+    return _board
+
+
+def set_slot(slot: int) -> None:
+    global _slot
+    _slot = slot
+
+
+def slot() -> int:
+    return _slot
 
 
 def ordinal() -> int:
-    return _ordinal
+    """This worker's index among its siblings (0..workers-1 while none has been replaced)."""
+    return _slot
+
+
+def register_listener(server: Any) -> None:
+    _listeners.append(server)
+
+
+def set_accepting(accepting: bool) -> None:
+    for server in _listeners:
+        if accepting:
+            server.resume_accepting()
+        else:
+            server.pause_accepting()

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import gevent
 import numpy as np
-from gevent.event import AsyncResult
-from gevent.queue import Empty, Queue
+from gevent.event import AsyncResult, Event
 from gevent.threadpool import ThreadPool
 
 from service.errors import DeadlineExceeded, InferenceFailed
@@ -43,6 +43,7 @@ class Row:
 class _Item:
     pixels: np.ndarray
     deadline: float | None
+    group: object = None
     result: AsyncResult = field(default_factory=AsyncResult)
     enqueued: float = field(default_factory=time.monotonic)
 
@@ -68,18 +69,22 @@ class BatchStats:
 
 
 class Batcher:
-    def __init__(self, run_batch: RunBatch, pool: ThreadPool, *, max_batch: int, max_wait_s: float) -> None:
+    def __init__(self, run_batch: RunBatch, pool: ThreadPool, *, max_batch: int, max_wait_s: float,
+                 across_requests: bool = True) -> None:
         self._run_batch = run_batch
         self._pool = pool
         self.max_batch = max_batch
         self.max_wait_s = max_wait_s
-        self._queue: Queue = Queue()
+        # False: a forward only holds images of one request (with max_wait_s=0: exactly the plain lock)
+        self.across_requests = across_requests
+        self._items: deque[_Item] = deque()
+        self._arrived = Event()
         self._loop: gevent.Greenlet | None = None
         self.stats = BatchStats()
 
     @property
     def queued(self) -> int:
-        return self._queue.qsize()
+        return len(self._items)
 
     def start(self) -> None:
         if self._loop is None:
@@ -90,10 +95,11 @@ class Batcher:
             self._loop.kill()
             self._loop = None
 
-    def submit(self, pixels: np.ndarray, deadline: float | None = None) -> AsyncResult:
-        """Queue one image; ``.get()`` the result to wait for its ``Row`` cooperatively."""
-        item = _Item(pixels, deadline)
-        self._queue.put(item)
+    def submit(self, pixels: np.ndarray, deadline: float | None = None, group: object = None) -> AsyncResult:
+        """Queue one image of request ``group``; ``.get()`` the result to wait for its ``Row``."""
+        item = _Item(pixels, deadline, group)
+        self._items.append(item)
+        self._arrived.set()
         return item.result
 
     def _collect_forever(self) -> None:
@@ -104,22 +110,32 @@ class Batcher:
                 self._run(live)
 
     def _collect(self) -> list[_Item]:
-        batch = [self._queue.get()]
+        while not self._items:
+            self._arrived.clear()
+            self._arrived.wait()
+        first = self._items.popleft()
+        batch = [first]
         until = time.monotonic() + self.max_wait_s
         while len(batch) < self.max_batch:
-            try:
-                batch.append(self._queue.get_nowait())
+            item = self._pop(first.group)
+            if item is not None:
+                batch.append(item)
                 continue
-            except Empty:
-                pass
             remaining = until - time.monotonic()
             if remaining <= 0:
                 break
-            try:
-                batch.append(self._queue.get(timeout=remaining))
-            except Empty:
-                break
+            self._arrived.clear()
+            self._arrived.wait(remaining)
         return batch
+
+    def _pop(self, group: object) -> _Item | None:
+        if self.across_requests:
+            return self._items.popleft() if self._items else None
+        for i, item in enumerate(self._items):
+            if item.group is group:
+                del self._items[i]
+                return item
+        return None
 
     @staticmethod
     def _drop_expired(batch: Sequence[_Item]) -> list[_Item]:

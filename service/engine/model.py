@@ -87,6 +87,11 @@ class LoadedModel:
             feats = None if feats is None else feats.float().flatten(1).cpu()
             return feats, logits.float().cpu()
 
+    def set_threads(self, n: int) -> None:
+        """torch intra-op threads for the calling (inference) thread's next forwards; CPU only."""
+        if self.device.type == "cpu":
+            torch.set_num_threads(n)
+
     def warm_up(self) -> None:
         c = self.info.transform.crop_size
         for n in WARMUP_BATCHES:

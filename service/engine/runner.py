@@ -1,15 +1,20 @@
 """What one worker owns: the model, its one inference thread, the decode threads, the batcher, admission.
 
-    Runner.start()   load + warm up the model in the inference thread (after fork; CUDA only there)
-    Runner.admit(n)  reserve n image slots or raise Overloaded (503 + Retry-After) before any work
-    Runner.offload() run CPU work (decode, preprocess, big JSON) in the decode pool, not on the hub
-    Runner.infer()   queue one image for the batcher; wait on the returned result cooperatively
+    Runner.start()     load + warm up the model in the inference thread (after fork; CUDA only there)
+    Runner.request()   count an inference request in progress (the load siblings see on the board)
+    Runner.admit(n)    reserve n image slots or raise Overloaded (503 + Retry-After) before any work
+    Runner.offload()   run CPU work (decode, preprocess, big JSON) in the decode pool, not on the hub
+    Runner.infer()     queue one image for the batcher; wait on the returned result cooperatively
+
+Across workers (through ``service.worker``'s shared load board): a busy worker stops accepting new
+connections while a sibling is idle, and a worker whose siblings are all idle lets torch use every core.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import threading
 from typing import Any, Callable, Iterator, Protocol, TypeVar
 
@@ -18,16 +23,18 @@ import numpy as np
 from gevent.event import AsyncResult, Event
 from gevent.threadpool import ThreadPool
 
+from service import metrics, worker
 from service.engine.batcher import Batcher
 from service.engine.model import ModelInfo
-from service.errors import GreenserveError, Overloaded
 from service.engine.transform import Transform
+from service.errors import GreenserveError, Overloaded
 from service.settings import Settings
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 NOT_READY_RETRY_S = 5
+GATE_INTERVAL_S = 0.02  # how often the accept gate looks at the siblings' loads
 
 
 class Model(Protocol):
@@ -42,7 +49,7 @@ class Model(Protocol):
 
 class Runner:
     def __init__(self, settings: Settings, *, model: Model | None = None,
-                 loader: Callable[[], Model] | None = None) -> None:
+                 loader: Callable[[], Model] | None = None, cores: int | None = None) -> None:
         self.settings = settings
         self._infer_pool = ThreadPool(1)  # the worker-local lock: one native thread touches the model
         self._decode_pool = ThreadPool(settings.decode_threads_per_worker())
@@ -51,18 +58,26 @@ class Runner:
         self.load_error: BaseException | None = None
         self._ready = Event()
         self._admitted = 0
+        self._requests = 0
+        self._cores = cores or len(os.sched_getaffinity(0))
+        self._threads_now = 0
+        self._gate: gevent.Greenlet | None = None
         self.batcher = Batcher(self._forward, self._infer_pool, max_batch=settings.max_batch,
-                               max_wait_s=settings.max_batch_wait_ms / 1000)
+                               max_wait_s=settings.max_batch_wait_ms / 1000,
+                               across_requests=settings.batch_across_requests)
+        self.batcher.stats.on_batch = metrics.observe_batch
         if model is not None:
             self._ready.set()
 
     # ------------------------------------------------------------------ lifecycle
 
     def start(self) -> None:
-        """Begin serving: load the model in the background unless one was given."""
+        """Begin serving: load the model in the background unless one was given; run the accept gate."""
         self.batcher.start()
         if self.model is None and self._loader is not None:
             gevent.spawn(self._load)
+        if worker.board() is not None and self._gate is None:
+            self._gate = gevent.spawn(self._gate_forever)
 
     def _load(self) -> None:
         try:
@@ -72,6 +87,7 @@ class Runner:
             log.critical("model failed to load: %s", exc, exc_info=True)
             return
         info = self.model.info
+        metrics.MODEL_LOAD_SECONDS.set(info.load_seconds)
         log.info("model ready: %s (%s weights) on %s, embedding_dim=%s, %d labels, loaded in %.2fs",
                  info.name, info.weights, info.device, info.embedding_dim, len(info.labels), info.load_seconds)
         self._ready.set()
@@ -86,6 +102,10 @@ class Runner:
         return self._ready.wait(timeout)
 
     @property
+    def ready(self) -> bool:
+        return self._ready.is_set()
+
+    @property
     def transform(self) -> Transform:
         assert self.model is not None
         return self.model.info.transform
@@ -95,38 +115,69 @@ class Runner:
         assert self.model is not None
         return self.model.info.labels
 
-    @property
-    def ready(self) -> bool:
-        return self._ready.is_set()
-
     def close(self) -> None:
+        if self._gate is not None:
+            self._gate.kill()
         self.batcher.stop()
         self._infer_pool.kill()
         self._decode_pool.kill()
 
-    # ------------------------------------------------------------------ admission
+    # ------------------------------------------------------------------ load and admission
 
     @property
     def admitted_images(self) -> int:
         return self._admitted
 
     @contextlib.contextmanager
+    def request(self) -> Iterator[None]:
+        """Count one inference request in progress (parsing included) on the shared load board."""
+        self._requests += 1
+        self._publish_load()
+        try:
+            yield
+        finally:
+            self._requests -= 1
+            self._publish_load()
+
+    @contextlib.contextmanager
     def admit(self, n_images: int) -> Iterator[None]:
         """Reserve ``n_images`` of this worker's queue, or refuse at once with 503 + Retry-After."""
         if not self.ready:
+            metrics.OVERLOADED.labels("not_ready").inc()
             raise Overloaded("the model is still loading on this worker; retry shortly",
                              retry_after_s=NOT_READY_RETRY_S, code="not_ready")
         limit = self.settings.max_queue_images
         if self._admitted and self._admitted + n_images > limit:
+            metrics.OVERLOADED.labels("queue_full").inc()
             wait = self._admitted * self.batcher.stats.seconds_per_image
             raise Overloaded(f"this worker has {self._admitted} image(s) queued or running (limit {limit}); "
                              f"retry after ~{wait:.1f}s or spread load over more workers/replicas",
                              retry_after_s=wait)
         self._admitted += n_images
+        metrics.QUEUE_IMAGES.inc(n_images)
         try:
             yield
         finally:
             self._admitted -= n_images
+            metrics.QUEUE_IMAGES.dec(n_images)
+
+    def _publish_load(self) -> None:
+        board = worker.board()
+        if board is not None:
+            board.set_load(worker.slot(), self._requests)
+            self._update_gate(board)
+
+    def _gate_forever(self) -> None:
+        board = worker.board()
+        assert board is not None
+        while True:
+            self._update_gate(board)
+            gevent.sleep(GATE_INTERVAL_S)
+
+    def _update_gate(self, board: worker.LoadBoard) -> None:
+        """Stop accepting while this worker is busy and a sibling idles; accept otherwise (idempotent)."""
+        _, idle = board.siblings(worker.slot())
+        worker.set_accepting(not (self._requests > 0 and idle > 0))
 
     # ------------------------------------------------------------------ work
 
@@ -141,12 +192,26 @@ class Runner:
             raise outcome.error
         return outcome
 
-    def infer(self, pixels: np.ndarray, deadline: float | None = None) -> AsyncResult:
-        return self.batcher.submit(pixels, deadline)
+    def infer(self, pixels: np.ndarray, deadline: float | None = None, group: object = None) -> AsyncResult:
+        return self.batcher.submit(pixels, deadline, group)
 
     def _forward(self, batch: np.ndarray) -> tuple[Any, Any]:
         assert self.model is not None and threading.current_thread() is not threading.main_thread()
+        self._pick_threads()
         return self.model.forward(batch)
+
+    def _pick_threads(self) -> None:
+        """In the inference thread, before each batch: every core when alone, else this worker's share."""
+        set_threads = getattr(self.model, "set_threads", None)
+        if set_threads is None or self.settings.torch_threads or not self.settings.borrow_idle_cores:
+            return
+        share = self.settings.torch_threads_per_worker(self._cores)
+        board = worker.board()
+        alone = board is not None and board.siblings(worker.slot())[0] == 0
+        wanted = self._cores if alone else share
+        if wanted != self._threads_now:
+            set_threads(wanted)
+            self._threads_now = wanted
 
 
 class _Raised:

@@ -106,7 +106,7 @@ class Orchestrator:
             return
         finally:
             spans.add("decode", t0, time.monotonic())
-        row: Row = self.runner.infer(pixels, deadline).get()
+        row: Row = self.runner.infer(pixels, deadline, group=outcomes).get()  # one dict per request
         outcomes[ref.index] = row
         end = time.monotonic()
         spans.add("queue", end - row.inference_s - row.queue_s, end - row.inference_s)

@@ -1,0 +1,48 @@
+"""gunicorn's gevent worker with an accept gate (``worker_class = "service.gworker.GreenserveWorker"``).
+
+A gevent worker's hub stays free while its model is busy, so it keeps accepting connections and takes
+its share of new requests even when a sibling worker sits idle. The gate lets the runner pause
+accepting while this worker is busy and a sibling is idle; the kernel then hands new connections to
+the sibling. Everything else is gunicorn's ``GeventWorker``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gevent.server import StreamServer
+from gunicorn.workers import ggevent
+
+from service import worker
+
+
+class GatedStreamServer(StreamServer):
+    """A StreamServer whose accepting can be paused from outside without being resumed by its pool."""
+
+    _gate_open = True
+
+    def pause_accepting(self) -> None:
+        self._gate_open = False
+        self.stop_accepting()
+
+    def resume_accepting(self) -> None:
+        if not self._gate_open:
+            self._gate_open = True
+            if self.started and not self.closed and (self.pool is None or not self.pool.full()):
+                super().start_accepting()
+
+    def start_accepting(self) -> None:
+        # gevent calls this whenever a connection slot frees up; respect a closed gate
+        if self._gate_open:
+            super().start_accepting()
+
+    def start(self) -> None:
+        super().start()
+        worker.register_listener(self)
+
+
+class GreenserveWorker(ggevent.GeventWorker):
+    def run(self) -> Any:
+        # GeventWorker.run builds its servers from the module's StreamServer name
+        ggevent.StreamServer = GatedStreamServer
+        return super().run()
