@@ -1,0 +1,117 @@
+"""Micro-batching with a real gevent ThreadPool(1) and a fake forward: routing, grouping, failures, deadlines."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import gevent
+import numpy as np
+import pytest
+from gevent.threadpool import ThreadPool
+
+from service.engine.batcher import Batcher
+from service.errors import DeadlineExceeded, InferenceFailed
+
+
+class Forward:
+    """Row i's output encodes image i's pixel value, so misrouting is visible."""
+
+    def __init__(self, delay_s: float = 0.01, fail_on: int | None = None) -> None:
+        self.delay_s, self.fail_on = delay_s, fail_on
+        self.sizes: list[int] = []
+        self.threads: set[int] = set()
+
+    def __call__(self, batch: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        self.threads.add(threading.get_ident())
+        self.sizes.append(len(batch))
+        time.sleep(self.delay_s)  # native: the hub keeps running
+        values = batch[:, 0, 0, 0].astype(np.float32)
+        if self.fail_on is not None and self.fail_on in values:
+            raise RuntimeError("bad batch")
+        return values[:, None].repeat(2, axis=1), values[:, None]
+
+
+def pixel(v: int) -> np.ndarray:
+    return np.full((2, 2, 3), v, np.uint8)
+
+
+def make(forward: Forward, **kw: object) -> Batcher:
+    b = Batcher(forward, ThreadPool(1), **{"max_batch": 8, "max_wait_s": 0.005, **kw})  # type: ignore[arg-type]
+    b.start()
+    return b
+
+
+def test_concurrent_requests_get_their_own_rows_in_order() -> None:
+    fwd = Forward()
+    b = make(fwd)
+
+    def request(base: int) -> list[float]:
+        results = [b.submit(pixel(base + i), group=base) for i in range(5)]
+        return [r.get().features[0] for r in results]
+
+    jobs = [gevent.spawn(request, base) for base in (0, 10, 20, 30, 40, 50)]
+    gevent.joinall(jobs, raise_error=True)
+    for base, job in zip((0, 10, 20, 30, 40, 50), jobs):
+        assert job.value == [base + i for i in range(5)]
+    assert max(fwd.sizes) > 1, "concurrent images were never batched together"
+    assert len(fwd.threads) == 1, "the model must only ever run on one thread"
+    b.stop()
+
+
+def test_batches_never_exceed_max_batch() -> None:
+    fwd = Forward()
+    b = make(fwd, max_batch=4)
+    gevent.joinall([gevent.spawn(lambda v=v: b.submit(pixel(v)).get()) for v in range(30)], raise_error=True)
+    assert max(fwd.sizes) <= 4 and sum(fwd.sizes) == 30
+    b.stop()
+
+
+def test_without_cross_request_batching_a_forward_holds_one_request() -> None:
+    fwd = Forward()
+    b = make(fwd, across_requests=False, max_wait_s=0.0)
+    seen: list[set[int]] = []
+    original = fwd.__call__
+
+    def spy(batch: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        seen.append({int(v) // 10 for v in batch[:, 0, 0, 0]})
+        return original(batch)
+
+    b._run_batch = spy  # type: ignore[method-assign]
+    jobs = [gevent.spawn(lambda base=base: [r.get() for r in [b.submit(pixel(base + i), group=base) for i in range(3)]])
+            for base in (10, 20, 30)]
+    gevent.joinall(jobs, raise_error=True)
+    assert all(len(groups) == 1 for groups in seen)
+    b.stop()
+
+
+def test_failing_batch_fails_only_its_images_and_the_batcher_carries_on() -> None:
+    fwd = Forward(fail_on=66)
+    b = make(fwd, across_requests=False, max_wait_s=0.0)
+    bad = [b.submit(pixel(66), group="bad")]
+    good = [b.submit(pixel(v), group="good") for v in (1, 2)]
+    with pytest.raises(InferenceFailed):
+        bad[0].get()
+    assert [r.get().features[0] for r in good] == [1, 2]
+    assert b.submit(pixel(3)).get().features[0] == 3
+    b.stop()
+
+
+def test_expired_images_are_dropped_before_the_model() -> None:
+    fwd = Forward(delay_s=0.2)
+    b = make(fwd, max_batch=1)
+    first = b.submit(pixel(1))
+    expired = b.submit(pixel(2), deadline=time.monotonic() + 0.05)
+    assert first.get().features[0] == 1
+    with pytest.raises(DeadlineExceeded):
+        expired.get()
+    assert fwd.sizes == [1], "the expired image reached the model"
+    b.stop()
+
+
+def test_stats_track_per_image_time() -> None:
+    fwd = Forward(delay_s=0.05)
+    b = make(fwd)
+    b.submit(pixel(1)).get()
+    assert b.stats.batches == 1 and b.stats.seconds_per_image >= 0.04
+    b.stop()

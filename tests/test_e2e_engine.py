@@ -1,0 +1,123 @@
+"""The engine under real gunicorn -k gevent: backpressure, deadlines, balance across workers, metrics."""
+
+from __future__ import annotations
+
+import base64
+import re
+import threading
+import time
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+import requests
+
+from bench.imagehost import ImageHost
+from bench.launch import GunicornServer
+from tests import images
+from tests.conftest import e2e_env
+
+pytestmark = pytest.mark.e2e
+IMAGE = "data:image/jpeg;base64," + base64.b64encode(images.jpeg(256, 256, seed=11)).decode()
+
+
+def embed(server: GunicornServer, n: int, **kw: object) -> requests.Response:
+    return requests.post(server.url + "/v1/embeddings", json={"images": [IMAGE] * n}, timeout=120, **kw)  # type: ignore[arg-type]
+
+
+def in_background(fn, *args, **kwargs) -> tuple[threading.Thread, dict]:
+    out: dict = {}
+
+    def run() -> None:
+        out["response"] = fn(*args, **kwargs)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t, out
+
+
+@pytest.fixture(scope="module")
+def small_queue(weights_file: Path, image_host: ImageHost) -> Iterator[GunicornServer]:
+    env = e2e_env(weights_file, image_host, GREENSERVE_MAX_QUEUE_IMAGES="40", GREENSERVE_MAX_BATCH="8")
+    with GunicornServer(env, workers=1) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def two_workers(weights_file: Path, image_host: ImageHost) -> Iterator[GunicornServer]:
+    with GunicornServer(e2e_env(weights_file, image_host, GREENSERVE_MAX_BATCH="8"), workers=2) as srv:
+        yield srv
+
+
+def test_past_the_queue_bound_503_with_retry_after_fast_and_admitted_work_completes(small_queue: GunicornServer) -> None:
+    thread, out = in_background(embed, small_queue, 40)
+    wait_admitted(small_queue, 40)
+    t0 = time.perf_counter()
+    refused = embed(small_queue, 8)
+    elapsed = time.perf_counter() - t0
+    assert refused.status_code == 503, refused.text
+    assert refused.json()["error"]["code"] == "overloaded"
+    assert int(refused.headers["Retry-After"]) >= 1
+    assert elapsed < 1.0, f"refusal took {elapsed:.2f}s: it must come before any work"
+    thread.join(120)
+    assert out["response"].status_code == 200 and len(out["response"].json()["data"]) == 40
+
+
+def test_deadline_gives_504_and_the_worker_carries_on(small_queue: GunicornServer) -> None:
+    pids = small_queue.worker_pids()
+    r = embed(small_queue, 40, headers={"X-Request-Timeout": "0.3"})
+    assert r.status_code == 504 and r.json()["error"]["code"] == "deadline_exceeded"
+    assert embed(small_queue, 1).status_code == 200
+    assert small_queue.worker_pids() == pids
+
+
+def wait_admitted(server: GunicornServer, n: int) -> None:
+    """Until ``n`` images are admitted somewhere (the machine may be slow: don't guess with a sleep)."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if _metric(requests.get(server.url + "/metrics", timeout=10).text, "greenserve_queue_images") >= n:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"{n} images never admitted")
+
+
+def test_busy_worker_lets_its_idle_sibling_take_new_connections(two_workers: GunicornServer) -> None:
+    thread, out = in_background(embed, two_workers, 40)
+    wait_admitted(two_workers, 40)
+    probe_pids = set()
+    while thread.is_alive() and len(probe_pids) < 5:
+        probe_pids.add(requests.get(two_workers.url + "/healthz", timeout=5).json()["pid"])
+        if len(probe_pids) > 1:
+            break
+    thread.join(120)
+    busy_pid = int(out["response"].headers["X-Worker-PID"])
+    assert probe_pids and busy_pid not in probe_pids, "new connections went to the busy worker"
+
+
+def _metric(text: str, name: str, labels: str = "") -> float:
+    pattern = re.compile(rf"^{re.escape(name)}(\{{[^}}]*{re.escape(labels)}[^}}]*\}})?\s+([0-9.e+-]+)$", re.M)
+    return sum(float(m.group(2)) for m in pattern.finditer(text))
+
+
+def test_metrics_count_what_happened_across_workers(two_workers: GunicornServer) -> None:
+    def scrape() -> str:
+        r = requests.get(two_workers.url + "/metrics", timeout=10)
+        assert r.status_code == 200 and r.headers["Content-Type"].startswith("text/plain")
+        return r.text
+
+    before = scrape()
+    pids = set()
+    for _ in range(6):
+        pids.add(embed(two_workers, 2).headers["X-Worker-PID"])
+    bad = requests.post(two_workers.url + "/v1/embeddings", json={"images": ["page.jpg"]}, timeout=30)
+    assert bad.status_code == 422
+    after = scrape()
+    ok_route = 'route="/v1/embeddings",status="200"'
+    assert _metric(after, "greenserve_requests_total", ok_route) - _metric(before, "greenserve_requests_total", ok_route) == 6
+    assert _metric(after, "greenserve_images_total") - _metric(before, "greenserve_images_total") == 12
+    assert _metric(after, "greenserve_image_errors_total", 'code="not_an_image"') >= 1
+    assert _metric(after, "greenserve_errors_total", 'code="not_an_image"') >= 1
+    assert _metric(after, "greenserve_stage_seconds_count", 'stage="inference"') >= 6
+    assert _metric(after, "greenserve_batch_size_count") >= 1
+    assert len(re.findall(r"^greenserve_model_load_seconds\{", after, re.M)) == 2  # one per live worker
+    assert _metric(after, "greenserve_queue_images") == 0
