@@ -50,4 +50,5 @@ def _load_model(settings: Settings) -> Model:
     device = resolve_device(settings.device, worker.ordinal())
     log.info("loading %s (weights=%s) on %s with %d torch thread(s)", settings.model, settings.weights,
              device, torch.get_num_threads())
-    return load_model(settings.model, settings.weights, device=device, channels_last=settings.channels_last)
+    return load_model(settings.model, settings.weights, device=device, channels_last=settings.channels_last,
+                      dtype=getattr(torch, settings.dtype))

@@ -3,6 +3,7 @@
     greenserve download-weights MODEL   put torchvision's pretrained file into the local torch cache
     greenserve settings [--markdown]    every GREENSERVE_* setting with its default (the README table)
     greenserve models                   the torchvision classification models that can be served
+    greenserve export MODEL --out F     a checkpoint already in the serving layout (shared by workers)
 """
 
 from __future__ import annotations
@@ -49,6 +50,11 @@ def main(argv: list[str] | None = None) -> int:
     st = sub.add_parser("settings", help="show settings (current values, or the README table)")
     st.add_argument("--markdown", action="store_true", help="print the Markdown table of all settings")
     sub.add_parser("models", help="list servable torchvision classification models")
+    ex = sub.add_parser("export", help="write a checkpoint in the serving layout (shared across workers)")
+    ex.add_argument("model", help="torchvision model name, e.g. resnet50")
+    ex.add_argument("--weights", default="auto", help="auto | imagenet | random | state-dict path")
+    ex.add_argument("--out", required=True, help="where to write the checkpoint")
+    ex.add_argument("--no-channels-last", action="store_true", help="keep the default memory format")
     args = parser.parse_args(argv)
 
     if args.command == "download-weights":
@@ -65,6 +71,11 @@ def main(argv: list[str] | None = None) -> int:
                 return 2
             for key, value in values.items():
                 print(f"GREENSERVE_{key.upper()}={value}")
+    elif args.command == "export":
+        from service.engine.model import export_checkpoint
+
+        info = export_checkpoint(args.model, args.weights, args.out, channels_last=not args.no_channels_last)
+        print(" ".join(f"{k}={v}" for k, v in info.items()))
     elif args.command == "models":
         from service.engine.model import classification_models
 

@@ -143,3 +143,38 @@ def test_split_head_cuts_at_the_last_linear() -> None:
     net = torchvision.models.mobilenet_v3_small(weights=None)
     split = split_head(net)
     assert split.head.out_features == 1000 and split.head.in_features == 1024
+
+
+def _in_file_mapping(ptr: int, path: Path) -> bool:
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        if line.endswith(str(path)):
+            lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+            if lo <= ptr < hi:
+                return True
+    return False
+
+
+def test_exported_checkpoint_stays_mapped_in_channels_last(tmp_path: Path,
+                                                           saved_state: tuple[Path, torch.nn.Module]) -> None:
+    path, _ = saved_state
+    out = tmp_path / "r18-export.pt"
+    model_mod.export_checkpoint(NAME, str(path), str(out))
+    plain = load_model(NAME, str(path), channels_last=True)
+    exported = load_model(NAME, str(out), channels_last=True)
+    conv_plain = plain.module.backbone.layer1[0].conv1.weight
+    conv_exported = exported.module.backbone.layer1[0].conv1.weight
+    assert conv_exported.is_contiguous(memory_format=torch.channels_last)
+    assert _in_file_mapping(conv_exported.data_ptr(), out), "exported weights were copied at load"
+    assert not _in_file_mapping(conv_plain.data_ptr(), path), "expected a private channels_last copy"
+    pixels = batch()
+    torch.testing.assert_close(exported.forward(pixels)[0], plain.forward(pixels)[0])
+
+
+def test_bfloat16_autocast_embeddings_stay_within_tolerance(saved_state: tuple[Path, torch.nn.Module]) -> None:
+    path, _ = saved_state
+    fp32 = load_model(NAME, str(path))
+    bf16 = load_model(NAME, str(path), dtype=torch.bfloat16)
+    assert bf16.info.dtype == "bfloat16"
+    pixels = batch(4)
+    cos = torch.nn.functional.cosine_similarity(fp32.forward(pixels)[0], bf16.forward(pixels)[0])
+    assert float(cos.min()) > 0.999

@@ -167,6 +167,9 @@ def load_model(name: str, weights: str, *, device: torch.device | None = None, c
     module.eval()
     module = module.to(device)
     if channels_last and fmt == "torchvision":
+        if not _is_channels_last(module):
+            log.info("converting %s to channels_last: a private copy of the weights in each worker; "
+                     "`greenserve export` writes a checkpoint that is shared instead", name)
         # a no-op (no private copy) when the checkpoint was exported in channels_last already
         module = module.to(memory_format=torch.channels_last)
     model = LoadedModel(info=ModelInfo(name, (), None, labels, str(device), str(dtype).replace("torch.", ""),
@@ -180,6 +183,38 @@ def load_model(name: str, weights: str, *, device: torch.device | None = None, c
                            str(dtype).replace("torch.", ""), source, transform,
                            time.perf_counter() - started, fmt)
     return model
+
+
+def export_checkpoint(name: str, weights: str, out: str, *, channels_last: bool = True) -> dict[str, Any]:
+    """Write ``name``'s weights as a state dict already in the serving layout, so that workers map it
+    from the page cache and share it (an in-place conversion after loading would copy it per worker).
+
+    Conv+BN folding is not applied: it measured no faster here (ratio 1.000 on resnet50, CPU) and would
+    make the file unloadable as a plain torchvision state dict.
+    """
+    model = load_model(name, weights, channels_last=channels_last)
+    if model.info.format != "torchvision":
+        raise ModelLoadError("export takes torchvision weights (auto, imagenet, random or a state dict)")
+    split = model.module
+    assert isinstance(split, EmbedClassify)
+    state = _rejoin_head(split).state_dict()
+    torch.save(state, out)
+    return {"model": name, "weights": model.info.weights, "out": out, "channels_last": channels_last,
+            "tensors": len(state), "bytes": os.path.getsize(out)}
+
+
+def _rejoin_head(split: EmbedClassify) -> nn.Module:
+    """Put the classifier head back where ``split_head`` took it, for a torchvision-shaped state dict."""
+    for qualname, mod in split.backbone.named_modules():
+        if isinstance(mod, nn.Identity):
+            parent_name, _, attr = qualname.rpartition(".")
+            parent = split.backbone.get_submodule(parent_name) if parent_name else split.backbone
+            setattr(parent, attr, split.head)
+    return split.backbone
+
+
+def _is_channels_last(module: nn.Module) -> bool:
+    return all(p.dim() != 4 or p.is_contiguous(memory_format=torch.channels_last) for p in module.parameters())
 
 
 def transform_of(enum: Any) -> Transform:
