@@ -231,6 +231,13 @@ def test_connects_to_the_checked_address_and_keeps_the_host_name(host: ImageHost
     assert host.headers_seen[-1]["Host"] == f"images.example:{host.port}"
 
 
+def test_the_next_checked_address_is_tried_when_one_refuses(host: ImageHost) -> None:
+    dns = FakeDNS({"two.example": ["127.0.0.3", "127.0.0.1"]})  # nothing listens on 127.0.0.3
+    fetcher = HttpFetcher(Settings(fetch_timeout_s=3, fetch_retries=0),
+                          policy=AddressPolicy(["127.0.0.0/8"], resolver=dns))
+    assert fetcher.fetch(f"http://two.example:{host.port}/a.jpg") == JPEG
+
+
 def test_failed_fetch_is_logged_with_the_request_id(host: ImageHost, caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.WARNING, logger="service.pipeline.fetch"):
         results = list(make(host).fetch_many([host.url("nope.jpg")], request_id="rid-fetch-42"))

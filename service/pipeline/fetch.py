@@ -123,8 +123,10 @@ class HttpFetcher:
                 except gevent.Timeout as exc:
                     if exc is not timer:
                         raise
-                    return FetchError(f"fetching took longer than {budget:.1f}s; check the image host or "
-                                      "raise GREENSERVE_FETCH_TIMEOUT_S", code="fetch_timeout")
+                    limit = ("GREENSERVE_FETCH_TIMEOUT_S" if budget >= self.settings.fetch_timeout_s
+                             else "the request deadline")
+                    return FetchError(f"fetching took longer than {budget:.1f}s ({limit}); check the image "
+                                      "host or allow more time", code="fetch_timeout")
                 except ImageError as err:
                     return err
         finally:

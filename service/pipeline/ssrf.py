@@ -9,7 +9,7 @@ Callers choose the URLs, so every hop (the first URL and each redirect) goes thr
        ``GREENSERVE_IMAGE_BASE_URL``) is let through;
     4. otherwise the host is resolved once and *every* address must be globally routable or inside an
        allowed CIDR; IPv4-mapped, IPv4-compatible, NAT64 and 6to4 forms are judged by the IPv4 inside;
-    5. the returned ``Target`` pins the checked address: ``GuardedAdapter`` connects to exactly that address
+    5. the returned ``Target`` pins the checked addresses: ``GuardedAdapter`` connects to exactly those
        (no second lookup a rebinding DNS server could answer differently) while the Host header, TLS SNI
        and certificate check keep the hostname.
 
@@ -138,12 +138,17 @@ def resolve(host: str, port: int) -> list[str]:
 
 @dataclass(frozen=True)
 class Target:
-    """A checked destination: connect to ``address`` (a checked IP), speak to ``host`` in HTTP and TLS."""
+    """A checked destination: connect to one of ``addresses`` (all checked, in resolver order), speak to
+    ``host`` in HTTP and TLS."""
 
     scheme: str
     host: str
     port: int
-    address: str
+    addresses: tuple[str, ...]
+
+    @property
+    def address(self) -> str:
+        return self.addresses[0]
 
 
 class AddressPolicy:
@@ -192,7 +197,7 @@ class AddressPolicy:
                     where = f"{scheme}://{_netloc(host or '', port)}{spelled}"
                     shown = where if literal is not None else f"{where} (resolves to {ip})"
                     raise url_not_allowed(f"{shown} is {reason}; the fetcher only reaches public addresses")
-        return Target(scheme, name, port, str(addresses[0]))
+        return Target(scheme, name, port, tuple(str(ip) for ip in addresses))
 
     def _in_allowed_network(self, ip: IPAddress) -> bool:
         candidates = [ip]
@@ -216,29 +221,31 @@ def _ip_or_none(host: str) -> IPAddress | None:
 
 
 class _PinnedConnectionMixin:
-    """Connects to ``pinned_ip`` (checked by the policy) instead of resolving ``host`` again."""
+    """Connects to the ``pinned_ips`` the policy checked, in order, instead of resolving ``host`` again."""
 
-    def __init__(self, *args: Any, pinned_ip: str, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, pinned_ips: tuple[str, ...], **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.pinned_ip = pinned_ip
+        self.pinned_ips = pinned_ips
 
     def _new_conn(self) -> socket.socket:
         conn: Any = self
-        family = socket.AF_INET6 if ":" in self.pinned_ip else socket.AF_INET
-        # gevent's socket whether or not the process is monkey-patched: the hub waits, never blocks
-        sock = gsocket.socket(family, socket.SOCK_STREAM)
-        try:
-            for option in conn.socket_options or ():
-                sock.setsockopt(*option)
-            sock.settimeout(Timeout.resolve_default_timeout(conn.timeout))
-            sock.connect((self.pinned_ip, conn.port))
-        except socket.timeout as exc:
-            sock.close()
-            raise ConnectTimeoutError(conn, f"connecting to {conn.host} ({self.pinned_ip}) timed out") from exc
-        except OSError as exc:
-            sock.close()
-            raise NewConnectionError(conn, f"could not connect to {conn.host} ({self.pinned_ip}): {exc}") from exc
-        return sock
+        error: OSError | None = None
+        for ip in self.pinned_ips:  # like urllib3's create_connection: the next address when one fails
+            # gevent's socket whether or not the process is monkey-patched: the hub waits, never blocks
+            sock = gsocket.socket(socket.AF_INET6 if ":" in ip else socket.AF_INET, socket.SOCK_STREAM)
+            try:
+                for option in conn.socket_options or ():
+                    sock.setsockopt(*option)
+                sock.settimeout(Timeout.resolve_default_timeout(conn.timeout))
+                sock.connect((ip, conn.port))
+                return sock
+            except OSError as exc:
+                sock.close()
+                error = exc
+        where = f"{conn.host} ({', '.join(self.pinned_ips)})"
+        if isinstance(error, socket.timeout):
+            raise ConnectTimeoutError(conn, f"connecting to {where} timed out") from error
+        raise NewConnectionError(conn, f"could not connect to {where}: {error}") from error
 
 
 class PinnedHTTPConnection(_PinnedConnectionMixin, HTTPConnection):
@@ -258,7 +265,7 @@ class _PinnedHTTPSPool(HTTPSConnectionPool):
 
 
 # Pools are keyed by the pinned address too: a host that resolves elsewhere later gets a fresh pool.
-_PinnedPoolKey = namedtuple("_PinnedPoolKey", (*PoolKey._fields, "key_pinned_ip"))  # type: ignore[misc]
+_PinnedPoolKey = namedtuple("_PinnedPoolKey", (*PoolKey._fields, "key_pinned_ips"))  # type: ignore[misc]
 
 
 class GuardedAdapter(requests.adapters.HTTPAdapter):
@@ -284,5 +291,5 @@ class GuardedAdapter(requests.adapters.HTTPAdapter):
         except ValueError as exc:
             raise invalid_url(f"the URL cannot be parsed ({exc})") from exc
         target = self.policy.check(host_params["scheme"], host_params["host"], host_params["port"])
-        pool_kwargs["pinned_ip"] = target.address
+        pool_kwargs["pinned_ips"] = target.addresses
         return self.poolmanager.connection_from_host(**host_params, pool_kwargs=pool_kwargs)
