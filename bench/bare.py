@@ -1,0 +1,130 @@
+"""The bare pipeline, no server: the yardstick every design is quoted against, and the reference embeddings.
+
+``python -m bench.bare --model M --weights W --album DIR --threads T --reps R [--out emb.npy]`` loads the
+model exactly as every design does (``load_model`` from the same state-dict file, channels_last), decodes
+the album with greenserve's ``decode_and_crop`` (in T threads: Pillow drops the GIL) and runs it as one
+batch, R times after a warm-up. It prints "ready" after the warm-up and waits for a line on stdin
+before timing (so the processes of a layout run together), then one JSON line
+``{"images_per_s", "seconds_per_batch"}`` and, with ``--out``, saves the L2-normalised embeddings (album order) as float32 ``.npy``.
+
+Run as a subprocess, one per process of the layout being measured (``measure()`` does that), so torch
+never runs in the comparison harness itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from bench.album import load_album
+from bench.launch import ROOT
+
+MAX_PIXELS = 40_000_000  # greenserve's GREENSERVE_MAX_IMAGE_PIXELS default
+READY = "ready"
+
+
+def save_random_weights(model: str, path: Path, seed: int = 0) -> Path:
+    """A seeded random state dict for ``model`` (no downloads here), saved in channels_last once.
+
+    Saved already converted, as DESIGN.md advises, so ``load_model``'s channels_last step is a no-op and
+    the mmapped weights stay shared. Every design loads this one file, so they serve the same model.
+    """
+    if path.is_file():
+        return path
+    import torch
+    import torchvision
+
+    torch.manual_seed(seed)
+    net = torchvision.models.get_model(model, weights=None).eval().to(memory_format=torch.channels_last)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    torch.save(net.state_dict(), tmp)
+    tmp.replace(path)
+    return path
+
+
+def measure(model: str, weights: Path, album: Path, *, processes: int, threads: int, reps: int,
+            out: Path | None = None) -> dict[str, float]:
+    """Bare throughput of ``processes`` × ``threads`` running at once; ``out`` gets process 0's embeddings."""
+    procs = []
+    for i in range(processes):
+        cmd = [sys.executable, "-m", "bench.bare", "--model", model, "--weights", str(weights), "--album",
+               str(album), "--threads", str(threads), "--reps", str(reps)]
+        if out is not None and i == 0:
+            cmd += ["--out", str(out)]
+        procs.append(subprocess.Popen(cmd, cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))
+    # every process loads and warms up, then all start timing together: the layout is measured at once
+    for p in procs:
+        assert p.stdout is not None
+        line = p.stdout.readline()
+        if line.strip() != READY:
+            _, stderr = p.communicate(timeout=60)
+            raise RuntimeError(f"bench.bare did not get ready ({p.returncode}):\n{stderr[-3000:]}")
+    results = []
+    for p in procs:
+        assert p.stdin is not None
+        p.stdin.write("go\n")
+        p.stdin.flush()
+    for p in procs:
+        stdout, stderr = p.communicate(timeout=600)
+        if p.returncode != 0:
+            raise RuntimeError(f"bench.bare failed ({p.returncode}):\n{stderr[-3000:]}")
+        results.append(json.loads(stdout.strip().splitlines()[-1]))
+    return {"processes": processes, "threads": threads,
+            "images_per_s": round(sum(r["images_per_s"] for r in results), 2),
+            "seconds_per_batch": round(max(r["seconds_per_batch"] for r in results), 3)}
+
+
+def _run(args: argparse.Namespace) -> dict[str, float]:
+    import numpy as np
+    import torch
+
+    from service.engine.model import load_model
+    from service.pipeline.decode import configure_pillow
+    from service.pipeline.orchestrate import decode_and_crop
+
+    torch.set_num_threads(args.threads)
+    configure_pillow(MAX_PIXELS)
+    model = load_model(args.model, str(args.weights), channels_last=True)
+    model.warm_up()
+    blobs = list(load_album(args.album).values())
+    t = model.info.transform
+    with ThreadPoolExecutor(args.threads) as pool:
+        def once() -> np.ndarray:
+            crops = list(pool.map(lambda b: decode_and_crop(b, t, MAX_PIXELS), blobs))
+            feats, _ = model.forward(np.stack(crops))
+            assert feats is not None
+            return feats.numpy()
+
+        feats = once()  # warm-up with the real batch shape (first-call allocations)
+        print(READY, flush=True)
+        sys.stdin.readline()  # the go signal: sibling processes of the layout start timing together
+        started = time.perf_counter()
+        for _ in range(args.reps):
+            once()
+        elapsed = (time.perf_counter() - started) / args.reps
+    if args.out:
+        norms = np.maximum(np.linalg.norm(feats, axis=1, keepdims=True), 1e-12)
+        np.save(args.out, (feats / norms).astype(np.float32))
+    return {"images_per_s": round(len(blobs) / elapsed, 2), "seconds_per_batch": round(elapsed, 3)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--weights", type=Path, required=True)
+    parser.add_argument("--album", type=Path, required=True)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--reps", type=int, default=2)
+    parser.add_argument("--out", type=Path)
+    print(json.dumps(_run(parser.parse_args())), flush=True)
+
+
+if __name__ == "__main__":
+    main()

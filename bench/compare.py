@@ -1,0 +1,220 @@
+"""gevent vs asyncio, side by side: ``python -m bench.compare [--quick]`` (``make compare [QUICK=1]``).
+
+    1. album      30 photo-like JPEGs up to 12 MP (bench.album), served by a local image host
+    2. weights    one seeded random state dict; every design and the bare run load this file
+    3. yardstick  the bare pipeline (no server) in 1 x cores and cores x 1: images/s and the
+                  reference embeddings (bench.bare)
+    4. designs    for each: start it, check its embeddings (bench.equivalence), the closed runs
+                  (N users x 1 request), the open-loop steps, stop it; /healthz probed all along (bench.k6)
+    5. report     tables on stdout, JSON + PNG chart in docs/ (bench.report)
+
+Exits 1 if a design failed or served different embeddings, so ``make compare`` cannot pass silently.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+import requests
+
+from bench import bare, equivalence, k6, report
+from bench.album import DEFAULT_DIR, ensure_album, load_album
+from bench.asyncio_designs.app import AppConfig
+from bench.asyncio_designs.server import UvicornServer
+from bench.imagehost import ImageHost
+from bench.launch import ROOT, GunicornServer
+
+OUT_DIR = ROOT / "bench" / "out"
+DOCS_DIR = ROOT / "docs"
+# greenserve's defaults, except: admit a whole N=16 closed run (16 x 30 images) on one worker, since the
+# asyncio apps admit everything; at the default 256 the 9th request would get 503 + Retry-After at once.
+GREENSERVE_QUEUE_IMAGES = "512"
+
+
+@dataclass(frozen=True)
+class Plan:
+    name: str  # names the outputs: docs/compare-<name>.json / .png
+    model: str
+    ns: tuple[int, ...]  # closed runs: N users x 1 request each
+    open_fractions: tuple[float, ...]  # open-loop offered rates, as fractions of the bare best images/s
+    open_duration_s: float
+    max_inflight: int  # open loop: most requests in flight; later arrivals are dropped (and counted)
+    bare_reps: int
+    album_count: int = 30
+    album_max_side: int | None = None  # None: phone sizes (up to 12 MP); tests shrink the album
+    image_latency_ms: float = 0.0
+
+
+FULL = Plan("full", "resnet50", (1, 2, 3, 4, 5, 8, 16), (0.6, 1.3), 20.0, max_inflight=10, bare_reps=2)
+QUICK = Plan("quick", "resnet18", (1, 2), (1.3,), 6.0, max_inflight=6, bare_reps=1)
+
+
+@dataclass(frozen=True)
+class Design:
+    name: str
+    processes: int
+    threads: int  # torch threads per process
+    asyncio_mode: str | None = None  # naive | executor | locked; None = greenserve
+    defaults: bool = False  # greenserve: leave torch threads to it (it borrows idle siblings' cores)
+
+    @property
+    def label(self) -> str:
+        return f"{self.name} {self.processes}x{self.threads}" + (" defaults" if self.defaults else "")
+
+
+def designs(cores: int) -> tuple[Design, ...]:
+    """Run order: greenserve first (its embeddings are the ones the others are checked against)."""
+    return (Design("greenserve", cores, 1, defaults=True),  # a worker per core, 1 thread each, or every
+            # core while its siblings are idle (GREENSERVE_BORROW_IDLE_CORES)
+            Design("greenserve", 1, cores),  # the asyncio runs' layout
+            Design("asyncio-naive", 1, cores, "naive"),
+            Design("asyncio-executor", 1, cores, "executor"),
+            Design("asyncio-executor-locked", 1, cores, "locked"),
+            Design("asyncio-executor-locked", cores, 1, "locked"))  # greenserve's layout
+
+
+@contextlib.contextmanager
+def serving(design: Design, model: str, weights: Path, base_url: str) -> Iterator[str]:
+    """The design running on 127.0.0.1 with every process's model loaded and warm; yields its URL."""
+    if design.asyncio_mode is None:
+        env = {"GREENSERVE_MODEL": model, "GREENSERVE_WEIGHTS": str(weights),
+               "GREENSERVE_IMAGE_BASE_URL": base_url,
+               "GREENSERVE_MAX_QUEUE_IMAGES": GREENSERVE_QUEUE_IMAGES, "GREENSERVE_LOG_LEVEL": "info"}
+        if not design.defaults:  # an explicit thread count pins the layout (no borrowing)
+            env["GREENSERVE_TORCH_THREADS"] = str(design.threads)
+        with GunicornServer(env, workers=design.processes) as srv:
+            yield srv.url
+    else:
+        config = AppConfig(design.asyncio_mode, model, str(weights), base_url, design.threads)
+        with UvicornServer(config, workers=design.processes) as srv:
+            yield srv.url
+
+
+def fetch_embeddings(url: str, names: list[str]) -> np.ndarray:
+    """The album's embeddings from a running design, in album order."""
+    r = requests.post(url + "/v1/embeddings", json={"images": names}, timeout=300)
+    r.raise_for_status()
+    data = sorted(r.json()["data"], key=lambda d: d["index"])
+    if [d["image"] for d in data] != names:
+        raise AssertionError(f"{url} answered for {[d['image'] for d in data]}, not {names}")
+    return np.asarray([d["embedding"] for d in data], dtype=np.float32)
+
+
+def run_design(design: Design, plan: Plan, weights: Path, base_url: str, names: list[str],
+               reference: np.ndarray, baseline: np.ndarray | None, rates: list[int]) -> dict[str, Any]:
+    """One design through the whole plan; an exception is recorded, not raised (the rest still runs)."""
+    out: dict[str, Any] = {"design": design.name, "label": design.label, "processes": design.processes,
+                           "threads": design.threads, "loadavg_before": os.getloadavg()[0]}
+    started = time.monotonic()
+    try:
+        with serving(design, plan.model, weights, base_url) as url:
+            emb = fetch_embeddings(url, names)  # also the warm-up with the real album
+            out["embeddings"] = emb
+            out["check_vs_bare"] = equivalence.compare(emb, reference).to_dict()
+            if baseline is not None:
+                out["check_vs_greenserve"] = equivalence.compare(emb, baseline).to_dict()
+            out["closed"] = []
+            for n in plan.ns:
+                out["closed"].append(k6.run_closed(url, names, n).to_dict())
+                _progress(design.label, f"N={n}", out["closed"][-1])
+            out["open"] = []
+            for rate in rates:
+                out["open"].append(k6.run_open(url, names, rate, plan.open_duration_s,
+                                               max_inflight=plan.max_inflight).to_dict())
+                _progress(design.label, f"open {rate}/min", out["open"][-1])
+    except Exception as exc:  # noqa: BLE001 - recorded in the report and turned into exit status 1
+        out["error"] = f"{type(exc).__name__}: {exc}"[:2000]
+        print(f"!! {design.label} failed: {out['error']}", file=sys.stderr, flush=True)
+    out["loadavg_after"] = os.getloadavg()[0]
+    out["seconds"] = round(time.monotonic() - started, 1)
+    return out
+
+
+def _progress(label: str, step: str, r: dict[str, Any]) -> None:
+    lat = r["latency"] or {}
+    print(f"   {label:32s} {step:14s} mean {lat.get('mean', 0) / 1000:6.2f}s  {r['images_per_s']:6.2f} img/s  "
+          f"healthz max {(r['health'] or {}).get('max', 0):7.0f} ms  errors {r['errors']}", flush=True)
+
+
+def run(plan: Plan, *, out_dir: Path, only: set[str] | None = None, chart: bool = True) -> dict[str, Any]:
+    """The whole comparison; returns (and writes) the results document."""
+    cores = len(os.sched_getaffinity(0))
+    album_dir = DEFAULT_DIR if plan.album_max_side is None and plan.album_count == 30 else \
+        OUT_DIR / f"album-{plan.album_count}-{plan.album_max_side}"
+    blobs = load_album(ensure_album(album_dir, count=plan.album_count, max_side=plan.album_max_side))
+    names = list(blobs)
+    weights = bare.save_random_weights(plan.model, OUT_DIR / "weights" / f"{plan.model}-seed0.pt")
+    ref_path = OUT_DIR / f"reference-{plan.name}.npy"
+    yardstick = [bare.measure(plan.model, weights, album_dir, processes=1, threads=cores, reps=plan.bare_reps,
+                              out=ref_path),
+                 bare.measure(plan.model, weights, album_dir, processes=cores, threads=1, reps=plan.bare_reps)]
+    reference = np.load(ref_path)
+    best = max(y["images_per_s"] for y in yardstick)
+    rates = [max(1, round(f * best * 60 / len(names))) for f in plan.open_fractions]
+    doc: dict[str, Any] = {"plan": dataclasses.asdict(plan), "machine": report.machine(plan.model, cores),
+                           "album": report.album_facts(blobs), "bare": yardstick, "open_rates_per_min": rates,
+                           "tolerance": equivalence.TOLERANCE, "reference_spread": equivalence.spread(reference),
+                           "seed": report.SEED_NUMBERS, "designs": []}
+    print(report.header(doc), flush=True)
+    baseline = None
+    with ImageHost(blobs, latency_s=plan.image_latency_ms / 1000) as host:
+        for design in designs(cores):
+            if only and design.label not in only and design.name not in only:
+                continue
+            print(f"-- {design.label}", flush=True)
+            result = run_design(design, plan, weights, host.base_url, names, reference, baseline, rates)
+            if baseline is None and design.name == "greenserve" and "embeddings" in result:
+                baseline = result["embeddings"]
+            result.pop("embeddings", None)
+            doc["designs"].append(result)
+    print(report.tables(doc), flush=True)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    json_path = out_dir / f"compare-{plan.name}.json"
+    json_path.write_text(json.dumps(doc, indent=1))
+    print(f"wrote {json_path}", flush=True)
+    if chart:
+        print(f"wrote {report.chart(doc, out_dir / f'compare-{plan.name}.png')}", flush=True)
+    return doc
+
+
+def passed(doc: dict[str, Any]) -> bool:
+    """Every design ran, and served the reference's embeddings within tolerance."""
+    return bool(doc["designs"]) and all(
+        "error" not in d and d["check_vs_bare"]["passed"] and d.get("check_vs_greenserve", {"passed": True})["passed"]
+        for d in doc["designs"])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="N=1,2 with resnet18 and one open-loop step (~3 min)")
+    parser.add_argument("--model", help="override the plan's model (a torchvision model with a Linear head)")
+    parser.add_argument("--ns", help="override the closed runs' N, e.g. 1,2,4")
+    parser.add_argument("--design", action="append", help="run only this design (name or label); repeatable")
+    parser.add_argument("--image-latency-ms", type=float, help="delay the image host adds to every image")
+    parser.add_argument("--out-dir", type=Path, default=DOCS_DIR)
+    args = parser.parse_args(argv)
+    plan = QUICK if args.quick else FULL
+    if args.model:
+        plan = dataclasses.replace(plan, model=args.model)
+    if args.ns:
+        plan = dataclasses.replace(plan, ns=tuple(int(n) for n in args.ns.split(",")))
+    if args.image_latency_ms is not None:
+        plan = dataclasses.replace(plan, image_latency_ms=args.image_latency_ms)
+    doc = run(plan, out_dir=args.out_dir, only=set(args.design) if args.design else None)
+    ok = passed(doc)
+    print("all designs served the same embeddings" if ok else "FAILED: see errors / checks above", flush=True)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
