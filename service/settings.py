@@ -87,6 +87,8 @@ class Settings:
                                            "one request per forward)", parse="bool")
     borrow_idle_cores: bool = _setting(True, "on CPU, a worker whose siblings are all idle runs torch on every "
                                        "core, and on its share (cores // workers) otherwise", parse="bool")
+    accept_gate: bool = _setting(True, "a busy worker stops accepting connections while a sibling is idle, so "
+                                 "concurrent requests spread over the workers", parse="bool")
     max_queue_images: int = _setting(256, "images admitted per worker (queued or running) before 503",
                                      parse="int", lo=1)
     request_timeout_s: float = _setting(60.0, "request deadline (a per-request X-Request-Timeout header "

@@ -76,7 +76,7 @@ class Runner:
         self.batcher.start()
         if self.model is None and self._loader is not None:
             gevent.spawn(self._load)
-        if worker.board() is not None and self._gate is None:
+        if worker.board() is not None and self._gate is None and self.settings.accept_gate:
             self._gate = gevent.spawn(self._gate_forever)
 
     def _load(self) -> None:
@@ -165,7 +165,8 @@ class Runner:
         board = worker.board()
         if board is not None:
             board.set_load(worker.slot(), self._requests)
-            self._update_gate(board)
+            if self.settings.accept_gate:
+                self._update_gate(board)
 
     def _gate_forever(self) -> None:
         board = worker.board()

@@ -1,0 +1,191 @@
+"""The engine's benchmarks, each a ratio to a baseline measured in the same run.
+
+``python -m bench.engine_bench [--model resnet50] [--only overhead batching borrow overload]``
+
+- overhead: one 1-image request at concurrency 1, greenserve (2 workers, defaults) vs the bare pipeline
+  (same decode + model, no server, 1 process x all threads) on the same 12 MP photo;
+- batching: 32 concurrent clients of 1 image each (k6, open loop capped at 32 in flight): images/s with
+  micro-batching across requests vs one request per forward;
+- borrow: one 30-photo request alone (N=1): 2 workers borrowing idle cores (default) vs 2 workers on their
+  share, vs the bare pipeline as 1 process x 2 threads;
+- balance: pairs of simultaneous 30-photo requests on 2 workers, with and without the accept gate: how
+  often both land on the same worker, and their latency;
+- overload: 30-photo requests arriving at 2x the measured capacity: how fast the excess gets 503 +
+  Retry-After, the admitted requests' latency vs at capacity, and that every admitted request succeeds.
+
+Prints the command, the machine, one table per section; writes bench/out/engine.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import requests
+
+from bench import bare
+from bench.album import ensure_album, load_album
+from bench.imagehost import ImageHost
+from bench.k6 import run_closed, run_open
+from bench.launch import GunicornServer
+from bench.report import machine
+
+OUT = Path("bench/out")
+
+
+def server_env(model: str, weights: Path, host: ImageHost, **extra: str) -> dict[str, str]:
+    return {"GREENSERVE_MODEL": model, "GREENSERVE_WEIGHTS": str(weights), "GREENSERVE_IMAGE_BASE_URL": host.base_url,
+            "GREENSERVE_LOG_LEVEL": "info", **extra}
+
+
+def median_latency(url: str, body: dict[str, Any], n: int) -> float:
+    session = requests.Session()
+    for _ in range(3):
+        session.post(url, json=body, timeout=120).raise_for_status()
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        session.post(url, json=body, timeout=120).raise_for_status()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def overhead(model: str, weights: Path, album_dir: Path, host: ImageHost, cores: int) -> dict[str, Any]:
+    one = ensure_album(OUT / "album-one", count=1)
+    b = bare.measure(model, weights, one, processes=1, threads=cores, reps=20)
+    with GunicornServer(server_env(model, weights, host), workers=cores) as srv:
+        name = next(iter(load_album(album_dir)))  # img001.jpg: the same 12 MP photo as album-one's
+        lat = median_latency(srv.url + "/v1/embeddings", {"images": [name]}, 20)
+    return {"bare_ms": round(b["seconds_per_batch"] * 1000, 1), "greenserve_ms": round(lat * 1000, 1),
+            "overhead_ms": round((lat - b["seconds_per_batch"]) * 1000, 1)}
+
+
+def batching(model: str, weights: Path, names: list[str], host: ImageHost, cores: int) -> dict[str, Any]:
+    rows = {}
+    for label, extra in (("batched", {}), ("one request per forward",
+                                         {"GREENSERVE_BATCH_ACROSS_REQUESTS": "false",
+                                          "GREENSERVE_MAX_BATCH_WAIT_MS": "0"})):
+        with GunicornServer(server_env(model, weights, host, **extra), workers=cores) as srv:
+            r = run_open(srv.url, names[:1], rate_per_min=12000, duration_s=20, max_inflight=32)
+        rows[label] = {"images_per_s": r.images_per_s, "mean_ms": r.latency.mean if r.latency else None,
+                       "errors": r.errors, "healthz_p99_ms": r.health.p99 if r.health else None}
+    rows["ratio"] = round(rows["batched"]["images_per_s"] / max(rows["one request per forward"]["images_per_s"], 1e-9), 2)
+    return rows
+
+
+def borrow(model: str, weights: Path, album_dir: Path, names: list[str], host: ImageHost, cores: int) -> dict[str, Any]:
+    b = bare.measure(model, weights, album_dir, processes=1, threads=cores, reps=2)
+    rows: dict[str, Any] = {"bare 1x%d s" % cores: b["seconds_per_batch"]}
+    for label, extra in (("borrowing (default)", {}), ("share only", {"GREENSERVE_BORROW_IDLE_CORES": "false"})):
+        with GunicornServer(server_env(model, weights, host, **extra), workers=cores) as srv:
+            r = run_closed(srv.url, names, 1)
+            r2 = run_closed(srv.url, names, 1)
+        rows[label + " s"] = round(min(r.latency.mean, r2.latency.mean) / 1000, 3) if r.latency and r2.latency else None
+    return rows
+
+
+def balance(model: str, weights: Path, names: list[str], host: ImageHost, cores: int, rounds: int = 8) -> dict[str, Any]:
+    """Pairs of simultaneous 30-photo requests on 2 workers: how often both land on one worker."""
+    rows = {}
+    for label, gate in (("accept gate (default)", "true"), ("no gate", "false")):
+        with GunicornServer(server_env(model, weights, host, GREENSERVE_ACCEPT_GATE=gate), workers=cores) as srv:
+            same, latencies = 0, []
+
+            def one(out: list) -> None:
+                t0 = time.perf_counter()
+                r = requests.post(srv.url + "/v1/embeddings", json={"images": names}, timeout=300)
+                out.append((r.headers["X-Worker-PID"], time.perf_counter() - t0))
+
+            for _ in range(rounds):
+                out: list = []
+                pair = [threading.Thread(target=one, args=(out,)) for _ in range(2)]
+                for t in pair:
+                    t.start()
+                for t in pair:
+                    t.join()
+                same += out[0][0] == out[1][0]
+                latencies += [s for _, s in out]
+        rows[label] = {"rounds": rounds, "both_on_one_worker": same, "mean_latency_s": round(statistics.mean(latencies), 2),
+                       "max_latency_s": round(max(latencies), 2)}
+    return rows
+
+
+def overload(model: str, weights: Path, names: list[str], host: ImageHost, cores: int) -> dict[str, Any]:
+    """Open loop at 2x capacity with Python threads (k6 only times successes; here 503s are the point)."""
+    queue_images = str(2 * len(names))  # per worker: the running request and one waiting
+    with GunicornServer(server_env(model, weights, host, GREENSERVE_MAX_QUEUE_IMAGES=queue_images), workers=cores) as srv:
+        cap = run_open(srv.url, names, rate_per_min=600, duration_s=30, max_inflight=cores * 2)
+        capacity_rps = cap.images_per_s / len(names)
+        rate = 2 * capacity_rps
+        results: list[tuple[int, float, str | None]] = []
+        lock = threading.Lock()
+
+        def one() -> None:
+            t0 = time.perf_counter()
+            r = requests.post(srv.url + "/v1/embeddings", json={"images": names}, timeout=300)
+            with lock:
+                results.append((r.status_code, time.perf_counter() - t0, r.headers.get("Retry-After")))
+
+        threads = []
+        start = time.perf_counter()
+        for i in range(int(rate * 30)):
+            delay = start + i / rate - time.perf_counter()
+            if delay > 0:
+                time.sleep(delay)
+            threads.append(threading.Thread(target=one))
+            threads[-1].start()
+        for t in threads:
+            t.join(300)
+    ok = sorted(s for code, s, _ in results if code == 200)
+    refused = sorted(s for code, s, _ in results if code == 503)
+    other = [code for code, _, _ in results if code not in (200, 503)]
+    return {"capacity_img_s": cap.images_per_s, "at_capacity_mean_s": round((cap.latency.mean if cap.latency else 0) / 1000, 2),
+            "offered_req_s": round(rate, 2), "sent": len(results), "ok": len(ok), "refused_503": len(refused),
+            "other_status": other, "retry_after_present": all(ra for c, _, ra in results if c == 503),
+            "refusal_p50_ms": round(refused[len(refused) // 2] * 1000, 1) if refused else None,
+            "refusal_max_ms": round(refused[-1] * 1000, 1) if refused else None,
+            "admitted_mean_s": round(statistics.mean(ok), 2) if ok else None}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="resnet50")
+    parser.add_argument("--only", nargs="+", default=["overhead", "batching", "borrow", "balance", "overload"])
+    args = parser.parse_args(argv)
+    print("$ python -m bench.engine_bench " + " ".join(argv if argv is not None else sys.argv[1:]))
+    cores = len(os.sched_getaffinity(0))
+    info = machine(args.model, cores)
+    print(f"{cores} cores ({info['cpu']}), torch {info['torch']}, model {args.model}, load avg {info['loadavg_at_start']}")
+    weights = bare.save_random_weights(args.model, Path(tempfile.gettempdir()) / f"greenserve-{args.model}-cl.pt")
+    album_dir = ensure_album(OUT / "album")
+    album = load_album(album_dir)
+    names = list(album)
+    doc: dict[str, Any] = {"machine": info}
+    with ImageHost(album) as host:
+        for section in args.only:
+            if section == "overhead":
+                doc[section] = overhead(args.model, weights, album_dir, host, cores)
+            elif section == "batching":
+                doc[section] = batching(args.model, weights, names, host, cores)
+            elif section == "borrow":
+                doc[section] = borrow(args.model, weights, album_dir, names, host, cores)
+            elif section == "balance":
+                doc[section] = balance(args.model, weights, names, host, cores)
+            elif section == "overload":
+                doc[section] = overload(args.model, weights, names, host, cores)
+            print(f"\n## {section}\n{json.dumps(doc[section], indent=1)}", flush=True)
+    OUT.mkdir(exist_ok=True)
+    (OUT / "engine.json").write_text(json.dumps(doc, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
