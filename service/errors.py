@@ -119,5 +119,10 @@ class InferenceFailed(GreenserveError):
 
 
 def image_error_item(index: int, image: str, err: ImageError) -> dict[str, Any]:
-    """The per-image error object used in ``details`` (422) and ``errors`` (partial 200)."""
-    return {"index": index, "image": image, "code": err.code, "message": err.message}
+    """The per-image error object used in ``details`` (422) and ``errors`` (partial 200); a fetch
+    failure from the image host also carries its ``upstream_status``."""
+    item = {"index": index, "image": image, "code": err.code, "message": err.message}
+    for extra in err.details:
+        if "upstream_status" in extra:
+            item["upstream_status"] = extra["upstream_status"]
+    return item

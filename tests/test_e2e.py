@@ -169,3 +169,10 @@ def test_hub_answers_healthz_while_model_busy(one_worker: GunicornServer, album:
     assert result["status"] == 200
     assert len(latencies) >= 3, f"inference finished too fast to probe: {result['timings']}"
     assert max(latencies) < 1.0, f"/healthz took {max(latencies):.2f}s while the model was busy"
+
+
+def test_upstream_status_is_reported_per_image(server: GunicornServer) -> None:
+    r = post(server, "/v1/embeddings", json={"images": ["img000.jpg", "nope.jpg"], "partial": True})
+    assert r.status_code == 200
+    (error,) = r.json()["errors"]
+    assert error["code"] == "fetch_failed" and error["upstream_status"] == 404 and error["index"] == 1
