@@ -4,8 +4,9 @@
     2. weights    one seeded random state dict; every design and the bare run load this file
     3. yardstick  the bare pipeline (no server) in 1 x cores and cores x 1: images/s and the
                   reference embeddings (bench.bare)
-    4. designs    for each: start it, check its embeddings (bench.equivalence), the closed runs
-                  (N users x 1 request), the open-loop steps, stop it; /healthz probed all along (bench.k6)
+    4. designs    start them all and check each one's embeddings (bench.equivalence); then every load
+                  step on every design, interleaved: the closed runs (N users x 1 request), then the
+                  open-loop steps; /healthz probed all along (bench.k6). The yardstick runs again at the end
     5. report     tables on stdout, JSON + PNG chart in docs/ (bench.report)
 
 Exits 1 if a design failed or served different embeddings, so ``make compare`` cannot pass silently.
@@ -55,7 +56,7 @@ class Plan:
     image_latency_ms: float = 0.0
 
 
-FULL = Plan("full", "resnet50", (1, 2, 3, 4, 5, 8, 16), (0.6, 1.3), 20.0, max_inflight=10, bare_reps=2)
+FULL = Plan("full", "resnet50", (1, 2, 3, 4, 5, 8, 16), (0.6, 1.3), 15.0, max_inflight=8, bare_reps=2)
 QUICK = Plan("quick", "resnet18", (1, 2), (1.3,), 6.0, max_inflight=6, bare_reps=1)
 
 
@@ -110,44 +111,72 @@ def fetch_embeddings(url: str, names: list[str]) -> np.ndarray:
     return np.asarray([d["embedding"] for d in data], dtype=np.float32)
 
 
-def run_design(design: Design, plan: Plan, weights: Path, base_url: str, names: list[str],
-               reference: np.ndarray, baseline: np.ndarray | None, rates: list[int]) -> dict[str, Any]:
-    """One design through the whole plan; an exception is recorded, not raised (the rest still runs)."""
+def start_design(design: Design, plan: Plan, stack: contextlib.ExitStack, base_url: str, weights: Path,
+                 names: list[str], reference: np.ndarray, baseline: np.ndarray | None) -> dict[str, Any]:
+    """Start ``design`` (left running on ``stack``) and check its embeddings; failures are recorded."""
     out: dict[str, Any] = {"design": design.name, "label": design.label, "processes": design.processes,
-                           "threads": design.threads, "loadavg_before": os.getloadavg()[0]}
-    started = time.monotonic()
+                           "threads": design.threads, "closed": [], "open": []}
     try:
-        with serving(design, plan.model, weights, base_url) as url:
-            emb = fetch_embeddings(url, names)  # also the warm-up with the real album
-            out["embeddings"] = emb
-            out["check_vs_bare"] = equivalence.compare(emb, reference).to_dict()
-            if baseline is not None:
-                out["check_vs_greenserve"] = equivalence.compare(emb, baseline).to_dict()
-            out["closed"] = []
-            for n in plan.ns:
-                out["closed"].append(k6.run_closed(url, names, n).to_dict())
-                _progress(design.label, f"N={n}", out["closed"][-1])
-            out["open"] = []
-            for rate in rates:
-                out["open"].append(k6.run_open(url, names, rate, plan.open_duration_s,
-                                               max_inflight=plan.max_inflight).to_dict())
-                _progress(design.label, f"open {rate}/min", out["open"][-1])
+        out["url"] = stack.enter_context(serving(design, plan.model, weights, base_url))
+        emb = fetch_embeddings(out["url"], names)  # also the warm-up with the real album
+        out["embeddings"] = emb
+        out["check_vs_bare"] = equivalence.compare(emb, reference).to_dict()
+        if baseline is not None:
+            out["check_vs_greenserve"] = equivalence.compare(emb, baseline).to_dict()
     except Exception as exc:  # noqa: BLE001 - recorded in the report and turned into exit status 1
-        out["error"] = f"{type(exc).__name__}: {exc}"[:2000]
-        print(f"!! {design.label} failed: {out['error']}", file=sys.stderr, flush=True)
-    out["loadavg_after"] = os.getloadavg()[0]
-    out["seconds"] = round(time.monotonic() - started, 1)
+        _failed(out, exc)
     return out
+
+
+def run_steps(plan: Plan, live: list[dict[str, Any]], names: list[str], rates: list[int]) -> None:
+    """Every load step on every live design, interleaved: step by step, all designs, in rotating order.
+
+    The machine is shared, so its speed drifts; interleaving spreads the drift over all designs instead
+    of handing one design a quiet minute and the next a busy one.
+    """
+    steps = [("closed", n) for n in plan.ns] + [("open", r) for r in rates]
+    for i, (kind, x) in enumerate(steps):
+        order = live[i % len(live):] + live[:i % len(live)] if live else []
+        for d in order:
+            if "error" in d:
+                continue
+            try:
+                if kind == "closed":
+                    r = k6.run_closed(d["url"], names, x)
+                else:
+                    r = k6.run_open(d["url"], names, x, plan.open_duration_s, max_inflight=plan.max_inflight)
+            except Exception as exc:  # noqa: BLE001 - as above
+                _failed(d, exc)
+                continue
+            row = {**r.to_dict(), "loadavg": round(os.getloadavg()[0], 2)}
+            d[kind].append(row)
+            _progress(d["label"], f"N={x}" if kind == "closed" else f"open {x}/min", row)
+
+
+def _failed(out: dict[str, Any], exc: Exception) -> None:
+    out["error"] = f"{type(exc).__name__}: {exc}"[:2000]
+    print(f"!! {out['label']} failed: {out['error']}", file=sys.stderr, flush=True)
 
 
 def _progress(label: str, step: str, r: dict[str, Any]) -> None:
     lat = r["latency"] or {}
     print(f"   {label:32s} {step:14s} mean {lat.get('mean', 0) / 1000:6.2f}s  {r['images_per_s']:6.2f} img/s  "
-          f"healthz max {(r['health'] or {}).get('max', 0):7.0f} ms  errors {r['errors']}", flush=True)
+          f"healthz max {(r['health'] or {}).get('max', 0):7.0f} ms  errors {r['errors']}  "
+          f"load {r['loadavg']}", flush=True)
+
+
+def yardstick(plan: Plan, weights: Path, album_dir: Path, cores: int, when: str,
+              ref_path: Path | None = None) -> list[dict[str, Any]]:
+    """The bare pipeline in both layouts (1 x cores, cores x 1)."""
+    return [{"when": when, **bare.measure(plan.model, weights, album_dir, processes=1, threads=cores,
+                                          reps=plan.bare_reps, out=ref_path)},
+            {"when": when, **bare.measure(plan.model, weights, album_dir, processes=cores, threads=1,
+                                          reps=plan.bare_reps)}]
 
 
 def run(plan: Plan, *, out_dir: Path, only: set[str] | None = None, chart: bool = True) -> dict[str, Any]:
     """The whole comparison; returns (and writes) the results document."""
+    started = time.monotonic()
     cores = len(os.sched_getaffinity(0))
     album_dir = DEFAULT_DIR if plan.album_max_side is None and plan.album_count == 30 else \
         OUT_DIR / f"album-{plan.album_count}-{plan.album_max_side}"
@@ -155,33 +184,35 @@ def run(plan: Plan, *, out_dir: Path, only: set[str] | None = None, chart: bool 
     names = list(blobs)
     weights = bare.save_random_weights(plan.model, OUT_DIR / "weights" / f"{plan.model}-seed0.pt")
     ref_path = OUT_DIR / f"reference-{plan.name}.npy"
-    yardstick = [bare.measure(plan.model, weights, album_dir, processes=1, threads=cores, reps=plan.bare_reps,
-                              out=ref_path),
-                 bare.measure(plan.model, weights, album_dir, processes=cores, threads=1, reps=plan.bare_reps)]
+    bare_runs = yardstick(plan, weights, album_dir, cores, "start", ref_path)
     reference = np.load(ref_path)
-    best = max(y["images_per_s"] for y in yardstick)
+    best = max(y["images_per_s"] for y in bare_runs)
     rates = [max(1, round(f * best * 60 / len(names))) for f in plan.open_fractions]
     doc: dict[str, Any] = {"plan": dataclasses.asdict(plan), "machine": report.machine(plan.model, cores),
-                           "album": report.album_facts(blobs), "bare": yardstick, "open_rates_per_min": rates,
+                           "album": report.album_facts(blobs), "bare": bare_runs, "open_rates_per_min": rates,
                            "tolerance": equivalence.TOLERANCE, "reference_spread": equivalence.spread(reference),
                            "seed": report.SEED_NUMBERS, "designs": []}
     print(report.header(doc), flush=True)
-    baseline = None
-    with ImageHost(blobs, latency_s=plan.image_latency_ms / 1000) as host:
-        for design in designs(cores):
-            if only and design.label not in only and design.name not in only:
-                continue
-            print(f"-- {design.label}", flush=True)
-            result = run_design(design, plan, weights, host.base_url, names, reference, baseline, rates)
-            if baseline is None and design.name == "greenserve" and "embeddings" in result:
-                baseline = result["embeddings"]
-            result.pop("embeddings", None)
-            doc["designs"].append(result)
+    selected = [d for d in designs(cores) if not only or d.label in only or d.name in only]
+    with ImageHost(blobs, latency_s=plan.image_latency_ms / 1000) as host, contextlib.ExitStack() as stack:
+        baseline = None
+        for design in selected:  # all designs stay up (idle ones cost no CPU) so steps can interleave
+            print(f"-- starting {design.label}", flush=True)
+            d = start_design(design, plan, stack, host.base_url, weights, names, reference, baseline)
+            if baseline is None and design.name == "greenserve" and "embeddings" in d:
+                baseline = d["embeddings"]
+            d.pop("embeddings", None)
+            doc["designs"].append(d)
+        run_steps(plan, doc["designs"], names, rates)
+    for d in doc["designs"]:
+        d.pop("url", None)
+    doc["bare"] += yardstick(plan, weights, album_dir, cores, "end")
+    doc["seconds"] = round(time.monotonic() - started, 1)
     print(report.tables(doc), flush=True)
     out_dir.mkdir(parents=True, exist_ok=True)
     json_path = out_dir / f"compare-{plan.name}.json"
     json_path.write_text(json.dumps(doc, indent=1))
-    print(f"wrote {json_path}", flush=True)
+    print(f"wrote {json_path} ({doc['seconds']:.0f} s in all)", flush=True)
     if chart:
         print(f"wrote {report.chart(doc, out_dir / f'compare-{plan.name}.png')}", flush=True)
     return doc

@@ -80,3 +80,11 @@ def test_album_is_deterministic_and_carries_exif_orientation() -> None:
 def test_k6_loads_only_localhost() -> None:
     with pytest.raises(k6.K6Error, match="127.0.0.1"):
         k6.run_closed("http://10.1.2.3:8000", ["img001.jpg"], 1)
+
+
+def test_a_design_that_failed_fails_the_comparison() -> None:
+    ok = {"label": "x", "check_vs_bare": {"passed": True}}
+    assert compare.passed({"designs": [ok]})
+    assert not compare.passed({"designs": [ok, {"label": "y", "error": "RuntimeError: gunicorn exited"}]})
+    assert not compare.passed({"designs": [{"label": "z", "check_vs_bare": {"passed": False}}]})
+    assert not compare.passed({"designs": []})

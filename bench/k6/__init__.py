@@ -14,13 +14,14 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Sequence
 from urllib.parse import urlsplit
 
 SCRIPT = Path(__file__).resolve().parent / "compare.js"
 PROBE_PERIOD_MS = 50
+MAX_ERROR_SAMPLES = 5
 PROBE_VUS = 20  # each probe user covers every 20th slot: a 1 s stall still sends every probe on time
 
 
@@ -54,6 +55,7 @@ class LoadResult:
     health: Stats | None
     health_errors: int
     wall_s: float  # the run, from k6's start to its end (probe and drain included)
+    error_samples: tuple[str, ...] = ()  # the first few failures as k6 saw them (status, error)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -100,7 +102,10 @@ def _run(mode: str, target: str, images: Sequence[str], extra: dict[str, str], *
         if proc.returncode != 0 or not summary_path.is_file():
             raise K6Error(f"k6 exited with {proc.returncode}:\n{proc.stderr[-3000:]}")
         summary = json.loads(summary_path.read_text())
-    return parse_summary(summary, mode=mode, vus=vus, rate=rate)
+    result = parse_summary(summary, mode=mode, vus=vus, rate=rate)
+    samples = [line[line.index("LOAD_ERROR"):] if "LOAD_ERROR" in line else line[line.index("HEALTH_ERROR"):]
+               for line in proc.stderr.splitlines() if "LOAD_ERROR" in line or "HEALTH_ERROR" in line]
+    return replace(result, error_samples=tuple(s.rstrip('"') for s in samples[:MAX_ERROR_SAMPLES]))
 
 
 def parse_summary(summary: dict[str, Any], *, mode: str, vus: int, rate: float) -> LoadResult:

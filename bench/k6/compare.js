@@ -70,7 +70,9 @@ export function embed() {
     doneAt.add(Date.now() - exec.scenario.startTime);
     images.add(IMAGES.length);
   } else {
-    errors.add(1, { status: String(res.status) });
+    errors.add(1);
+    // the Python side keeps a few of these lines in the report: what kind of failure it was
+    console.error(`LOAD_ERROR status=${res.status} error_code=${res.error_code} error=${res.error}`);
   }
 }
 
@@ -93,7 +95,10 @@ export function probe() {
     if (loadDone(startedAt)) break;
     const res = http.get(`${TARGET}/healthz`, { timeout: '120s', tags: { name: 'healthz' } });
     health.add(Date.now() - due);
-    if (res.status !== 200) healthErrors.add(1);
+    if (res.status !== 200) {
+      healthErrors.add(1);
+      console.error(`HEALTH_ERROR status=${res.status} error_code=${res.error_code} error=${res.error}`);
+    }
   }
 }
 
