@@ -66,9 +66,9 @@ def gpu_pids() -> set[int]:
 
 
 def server_level(weights: Path, host: ImageHost, names: list[str], reference: np.ndarray, workers: int,
-                 dtype: str) -> dict[str, Any]:
+                 dtype: str, decode_threads: int = 0, clients: int = CLIENTS) -> dict[str, Any]:
     env = {"GREENSERVE_MODEL": MODEL, "GREENSERVE_WEIGHTS": str(weights), "GREENSERVE_DEVICE": "auto",
-           "GREENSERVE_DTYPE": dtype, "GREENSERVE_IMAGE_BASE_URL": host.base_url, "GREENSERVE_MAX_BATCH": "64",
+           "GREENSERVE_DTYPE": dtype, "GREENSERVE_DECODE_THREADS": str(decode_threads), "GREENSERVE_IMAGE_BASE_URL": host.base_url, "GREENSERVE_MAX_BATCH": "64",
            "GREENSERVE_LOG_LEVEL": "info"}  # launch waits for the "model ready" lines
     with GunicornServer(env, workers=workers, ready_timeout_s=240) as srv:
         devices = set()
@@ -98,7 +98,7 @@ def server_level(weights: Path, host: ImageHost, names: list[str], reference: np
                 health.append(time.perf_counter() - t0)
                 time.sleep(0.05)
 
-        threads = [threading.Thread(target=client) for _ in range(CLIENTS)] + [threading.Thread(target=probe)]
+        threads = [threading.Thread(target=client) for _ in range(clients)] + [threading.Thread(target=probe)]
         t0 = time.perf_counter()
         for t in threads:
             t.start()
@@ -106,7 +106,7 @@ def server_level(weights: Path, host: ImageHost, names: list[str], reference: np
             t.join()
         wall = time.perf_counter() - t0
     health.sort()
-    return {"workers": workers, "dtype": dtype, "devices": sorted(devices), "master_holds_cuda": master_on_gpu,
+    return {"workers": workers, "clients": clients, "decode_threads": decode_threads or "default", "dtype": dtype, "devices": sorted(devices), "master_holds_cuda": master_on_gpu,
             "workers_on_gpu": workers_on_gpu, "album_cosine_vs_cpu_min": round(cosine, 6),
             "requests": len(latencies), "images_per_s": round(len(latencies) * len(names) / wall, 1),
             "mean_latency_s": round(statistics.mean(latencies), 3) if latencies else None,
@@ -123,6 +123,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--skip-model-level", action="store_true")
+    parser.add_argument("--clients", type=int, default=CLIENTS)
+    parser.add_argument("--layouts", nargs="+", default=["1:0:float32", "2:0:float32", "2:0:bfloat16"],
+                        help="server runs as WORKERS:DECODE_THREADS:DTYPE (0 = the default decode threads)")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     facts = {"torch": torch.__version__, "cuda": torch.version.cuda, "gpu": torch.cuda.get_device_name(0),
@@ -143,8 +146,10 @@ def main(argv: list[str] | None = None) -> int:
     reference = cpu / np.linalg.norm(cpu, axis=1, keepdims=True)
     doc["server_level"] = []
     with ImageHost(album) as host:
-        for workers, dtype in ((1, "float32"), (2, "float32"), (2, "bfloat16")):
-            doc["server_level"].append(server_level(weights, host, names, reference, workers, dtype))
+        for layout in args.layouts:
+            workers, decode, dtype = layout.split(":")
+            doc["server_level"].append(server_level(weights, host, names, reference, int(workers), dtype, int(decode),
+                                                    args.clients))
             print(json.dumps(doc["server_level"][-1]), flush=True)
             (args.out / "gpu.json").write_text(json.dumps(doc, indent=1))
     weights.unlink()
