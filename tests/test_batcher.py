@@ -115,3 +115,18 @@ def test_stats_track_per_image_time() -> None:
     b.submit(pixel(1)).get()
     assert b.stats.batches == 1 and b.stats.seconds_per_image >= 0.04
     b.stop()
+
+
+def test_earlier_requests_images_go_first_whatever_order_they_arrive_in() -> None:
+    fwd = Forward(delay_s=0.05)
+    b = make(fwd, max_batch=2, max_wait_s=0.0)
+    blocker = b.submit(pixel(0), arrived=0.0)  # occupies the model while the rest queue up
+    gevent.sleep(0.01)
+    late = [b.submit(pixel(20 + i), group="late", arrived=2.0) for i in range(2)]
+    early = [b.submit(pixel(10 + i), group="early", arrived=1.0) for i in range(2)]
+    order: list[str] = []
+    jobs = [gevent.spawn(lambda rs=rs, name=name: ([r.get() for r in rs], order.append(name)))
+            for name, rs in (("late", late), ("early", early))]
+    blocker.get()
+    gevent.joinall(jobs, raise_error=True)
+    assert order == ["early", "late"]

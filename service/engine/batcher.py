@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import deque
+import heapq
+import itertools
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -44,6 +45,7 @@ class _Item:
     pixels: np.ndarray
     deadline: float | None
     group: object = None
+    rank: tuple[float, int] = (0.0, 0)  # (the request's arrival, the image's submission order)
     result: AsyncResult = field(default_factory=AsyncResult)
     enqueued: float = field(default_factory=time.monotonic)
 
@@ -77,7 +79,12 @@ class Batcher:
         self.max_wait_s = max_wait_s
         # False: a forward only holds images of one request (with max_wait_s=0: exactly the plain lock)
         self.across_requests = across_requests
-        self._items: deque[_Item] = deque()
+        # Images are served in the order their *requests* arrived, not the order their bytes did:
+        # concurrent requests' images arrive interleaved (fetches overlap), and serving them in that
+        # order would share the model between all requests (every one finishes near the end). Request
+        # order finishes the first request first, the way a FIFO queue of requests would.
+        self._items: list[tuple[tuple[float, int], _Item]] = []
+        self._order = itertools.count()
         self._arrived = Event()
         self._loop: gevent.Greenlet | None = None
         self.stats = BatchStats()
@@ -95,10 +102,13 @@ class Batcher:
             self._loop.kill()
             self._loop = None
 
-    def submit(self, pixels: np.ndarray, deadline: float | None = None, group: object = None) -> AsyncResult:
-        """Queue one image of request ``group``; ``.get()`` the result to wait for its ``Row``."""
-        item = _Item(pixels, deadline, group)
-        self._items.append(item)
+    def submit(self, pixels: np.ndarray, deadline: float | None = None, group: object = None,
+               arrived: float | None = None) -> AsyncResult:
+        """Queue one image of request ``group`` (which ``arrived`` at that monotonic time; now if not given);
+        ``.get()`` the result to wait for its ``Row``."""
+        rank = (time.monotonic() if arrived is None else arrived, next(self._order))
+        item = _Item(pixels, deadline, group, rank)
+        heapq.heappush(self._items, (rank, item))
         self._arrived.set()
         return item.result
 
@@ -113,7 +123,7 @@ class Batcher:
         while not self._items:
             self._arrived.clear()
             self._arrived.wait()
-        first = self._items.popleft()
+        first = heapq.heappop(self._items)[1]
         batch = [first]
         until = time.monotonic() + self.max_wait_s
         while len(batch) < self.max_batch:
@@ -130,10 +140,12 @@ class Batcher:
 
     def _pop(self, group: object) -> _Item | None:
         if self.across_requests:
-            return self._items.popleft() if self._items else None
-        for i, item in enumerate(self._items):
+            return heapq.heappop(self._items)[1] if self._items else None
+        for i, (_, item) in enumerate(self._items):
             if item.group is group:
-                del self._items[i]
+                self._items[i] = self._items[-1]
+                self._items.pop()
+                heapq.heapify(self._items)
                 return item
         return None
 

@@ -193,8 +193,9 @@ class Runner:
             raise outcome.error
         return outcome
 
-    def infer(self, pixels: np.ndarray, deadline: float | None = None, group: object = None) -> AsyncResult:
-        return self.batcher.submit(pixels, deadline, group)
+    def infer(self, pixels: np.ndarray, deadline: float | None = None, group: object = None,
+              arrived: float | None = None) -> AsyncResult:
+        return self.batcher.submit(pixels, deadline, group, arrived)
 
     def _forward(self, batch: np.ndarray) -> tuple[Any, Any]:
         assert self.model is not None and threading.current_thread() is not threading.main_thread()
@@ -227,3 +228,4 @@ def _capture_expected(fn: Callable[..., T], args: tuple[Any, ...]) -> T | _Raise
         return fn(*args)
     except GreenserveError as err:
         return _Raised(err)
+

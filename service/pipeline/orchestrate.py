@@ -39,6 +39,7 @@ class _Spans:
     """First start and last end of each stage (monotonic seconds)."""
 
     spans: dict[str, list[float]] = field(default_factory=dict)
+    started: float = field(default_factory=time.monotonic)  # the request's arrival: its place in the queue
 
     def add(self, stage: str, start: float, end: float) -> None:
         s = self.spans.setdefault(stage, [start, end])
@@ -64,8 +65,8 @@ class Orchestrator:
 
     def run(self, req: InferenceRequest, task: str, *, deadline: float, request_id: str = "") -> dict[str, Any]:
         """The response body (without ``model``/``request_id``) for ``req``; raises request-level errors."""
-        started = time.monotonic()
         spans = _Spans()
+        started = spans.started
         outcomes: dict[int, Row | ImageError] = {r.index: r.error for r in req.refs if r.error is not None}
         with self.runner.admit(len(req.refs)):
             timeout = gevent.Timeout(max(0.0, deadline - time.monotonic()),
@@ -106,7 +107,7 @@ class Orchestrator:
             return
         finally:
             spans.add("decode", t0, time.monotonic())
-        row: Row = self.runner.infer(pixels, deadline, group=outcomes).get()  # one dict per request
+        row: Row = self.runner.infer(pixels, deadline, group=outcomes, arrived=spans.started).get()
         outcomes[ref.index] = row
         end = time.monotonic()
         spans.add("queue", end - row.inference_s - row.queue_s, end - row.inference_s)
