@@ -7,7 +7,9 @@ and absolute figures drift between runs, ratios much less.
 
 from __future__ import annotations
 
+import argparse
 import io
+import json
 import os
 import platform
 import subprocess
@@ -126,7 +128,11 @@ def tables(doc: dict[str, Any]) -> str:
         for r in d.get("closed", []) + d.get("open", []):
             step = f"N={r['vus']}" if r["mode"] == "closed" else f"open {r['rate_per_min']:.0f}/min"
             errors += [f"- {d['label']} {step}: {sample}" for sample in r.get("error_samples", [])]
-    parts = ["## Closed: N users x 1 request of the album, all at once", closed_table(doc),
+    bare = ", ".join(f"{b['processes']}x{b['threads']} {b['images_per_s']} img/s ({b.get('when', '')})"
+                     for b in doc["bare"])
+    parts = [f"Bare pipeline (the yardstick of the x bare columns, best layout averaged: "
+             f"{_best_bare(doc):.1f} img/s): {bare}",
+             "## Closed: N users x 1 request of the album, all at once", closed_table(doc),
              "## Open loop: constant arrival rate", open_table(doc), "## Same embeddings?", check_table(doc)]
     if errors:
         parts += ["## Errors", "\n".join(errors)]
@@ -154,9 +160,9 @@ def chart(doc: dict[str, Any], path: Path) -> Path:
              label="seed experiment (CLIP, published)")
     ax1.set(xlabel="N users (1 request of the album each, at once)", ylabel="mean latency (s)",
             title="Latency vs N")
-    ns = sorted({r["vus"] for d in doc["designs"] for r in d.get("closed", [])} | {int(n) for n in seed})
-    for ax in (ax1, ax2):
-        ax.set_xticks(ns)
+    ns = sorted({r["vus"] for d in doc["designs"] for r in d.get("closed", [])})
+    ax1.set_xticks(sorted(set(ns) | {int(n) for n in seed}))
+    ax2.set_xticks(ns)
     ax2.set(xlabel="N users", ylabel="/healthz p99 (ms, log)", yscale="log", title="/healthz while loaded")
     labels = [d["label"] for d in doc["designs"] if d.get("open")]
     width = 0.8 / max(1, len(doc["open_rates_per_min"]))
@@ -178,3 +184,19 @@ def chart(doc: dict[str, Any], path: Path) -> Path:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def main() -> None:
+    """``python -m bench.report docs/compare-full.json [--chart out.png]``: re-print a run's tables."""
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("results", type=Path)
+    parser.add_argument("--chart", type=Path, help="also redraw the chart into this PNG")
+    args = parser.parse_args()
+    doc = json.loads(args.results.read_text())
+    print(header(doc), tables(doc), sep="\n\n")
+    if args.chart:
+        print(f"wrote {chart(doc, args.chart)}")
+
+
+if __name__ == "__main__":
+    main()

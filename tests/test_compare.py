@@ -20,7 +20,8 @@ TINY_MODEL = "mobilenet_v3_small"
 @pytest.mark.slow
 def test_quick_machinery_runs_every_design_and_they_agree(tmp_path: Path) -> None:
     plan = compare.Plan("test", TINY_MODEL, ns=(1,), open_fractions=(1.0,), open_duration_s=2.0,
-                        max_inflight=2, bare_reps=1, album_count=3, album_max_side=800)
+                        max_inflight=2, bare_reps=1, album_count=3, album_max_side=800,
+                        bare_at_end=False)
 
     doc = compare.run(plan, out_dir=tmp_path)
 
