@@ -5,7 +5,8 @@ model exactly as every design does (``load_model`` from the same state-dict file
 the album with greenserve's ``decode_and_crop`` (in T threads: Pillow drops the GIL) and runs it as one
 batch, R times after a warm-up. It prints "ready" after the warm-up and waits for a line on stdin
 before timing (so the processes of a layout run together), then one JSON line
-``{"images_per_s", "seconds_per_batch"}`` and, with ``--out``, saves the L2-normalised embeddings (album order) as float32 ``.npy``.
+``{"images_per_s", "seconds_per_batch"}`` and, with ``--out``, saves the L2-normalised embeddings
+(album order) as float32 ``.npy``.
 
 Run as a subprocess, one per process of the layout being measured (``measure()`` does that), so torch
 never runs in the comparison harness itself.

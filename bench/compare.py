@@ -244,9 +244,11 @@ def run(plan: Plan, *, out_dir: Path, only: set[str] | None = None, chart: bool 
 
 def passed(doc: dict[str, Any]) -> bool:
     """Every design ran, and served the reference's embeddings within tolerance."""
-    return bool(doc["designs"]) and all(
-        "error" not in d and d["check_vs_bare"]["passed"] and d.get("check_vs_greenserve", {"passed": True})["passed"]
-        for d in doc["designs"])
+    def ok(d: dict[str, Any]) -> bool:
+        return ("error" not in d and d["check_vs_bare"]["passed"]
+                and d.get("check_vs_greenserve", {"passed": True})["passed"])
+
+    return bool(doc["designs"]) and all(ok(d) for d in doc["designs"])
 
 
 def main(argv: list[str] | None = None) -> int:

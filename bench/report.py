@@ -32,9 +32,19 @@ def machine(model: str, cores: int) -> dict[str, Any]:
     cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                 if line.startswith("model name")), platform.processor())
     k6_version = subprocess.run([k6_binary(), "version"], capture_output=True, text=True).stdout.split("\n")[0]
-    return {"cores": cores, "cpu": cpu, "python": platform.python_version(), "torch": metadata.version("torch"),
+    return {"commit": _git("rev-parse", "--short", "HEAD"),
+            # other work in the same checkout can leave greenserve's code uncommitted while this runs
+            "service_uncommitted": bool(_git("status", "--porcelain", "--", "service", "gunicorn.conf.py")),
+            "cores": cores, "cpu": cpu, "python": platform.python_version(), "torch": metadata.version("torch"),
             "torchvision": metadata.version("torchvision"), "k6": k6_version.strip(), "model": model,
             "loadavg_at_start": round(os.getloadavg()[0], 2), "date": time.strftime("%Y-%m-%d %H:%M %Z")}
+
+
+def _git(*args: str) -> str:
+    from bench.launch import ROOT
+
+    out = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True)
+    return out.stdout.strip() if out.returncode == 0 else ""
 
 
 def album_facts(blobs: dict[str, bytes]) -> dict[str, Any]:
@@ -43,14 +53,18 @@ def album_facts(blobs: dict[str, bytes]) -> dict[str, Any]:
         with Image.open(io.BytesIO(data)) as img:
             sizes.append(img.width * img.height)
     return {"photos": len(blobs), "megabytes": round(sum(map(len, blobs.values())) / 1e6, 1),
-            "max_megapixels": round(max(sizes) / 1e6, 1), "mean_megapixels": round(sum(sizes) / len(sizes) / 1e6, 1)}
+            "max_megapixels": round(max(sizes) / 1e6, 1),
+            "mean_megapixels": round(sum(sizes) / len(sizes) / 1e6, 1)}
 
 
 def header(doc: dict[str, Any]) -> str:
     m, a = doc["machine"], doc["album"]
     bare = ", ".join(f"{b['processes']}x{b['threads']}: {b['images_per_s']} img/s ({b.get('when', '')})"
                      for b in doc["bare"])
-    return (f"# gevent vs asyncio ({doc['plan']['name']})\n"
+    commit = f"commit {m.get('commit') or '?'}"
+    if m.get("service_uncommitted"):
+        commit += " + uncommitted service/ changes"
+    return (f"# gevent vs asyncio ({doc['plan']['name']}, {commit})\n"
             f"{m['cores']} cores ({m['cpu']}), load avg {m['loadavg_at_start']} at start; python {m['python']}, "
             f"torch {m['torch']}, torchvision {m['torchvision']}, {m['k6']}\n"
             f"model {m['model']} (seeded random weights, channels_last); album {a['photos']} JPEGs, "
@@ -153,8 +167,10 @@ def chart(doc: dict[str, Any], path: Path) -> Path:
             continue
         ns = [r["vus"] for r in closed]
         style = "-" if d["design"] == "greenserve" else "--"
-        ax1.plot(ns, [(r["latency"] or {}).get("mean", 0) / 1000 for r in closed], style, marker="o", label=d["label"])
-        ax2.plot(ns, [max((r["health"] or {}).get("p99", 0), 1) for r in closed], style, marker="o", label=d["label"])
+        mean_s = [(r["latency"] or {}).get("mean", 0) / 1000 for r in closed]
+        health_p99 = [max((r["health"] or {}).get("p99", 0), 1) for r in closed]  # log axis: no zeros
+        ax1.plot(ns, mean_s, style, marker="o", label=d["label"])
+        ax2.plot(ns, health_p99, style, marker="o", label=d["label"])
     seed = doc["seed"]["mean_latency_s"]
     ax1.plot([int(n) for n in seed], list(seed.values()), ":", color="black", marker="x",
              label="seed experiment (CLIP, published)")
@@ -179,7 +195,8 @@ def chart(doc: dict[str, Any], path: Path) -> Path:
         ax.legend(fontsize=7)
         ax.grid(alpha=0.3)
     m = doc["machine"]
-    fig.suptitle(f"gevent vs asyncio - {m['model']}, {m['cores']} cores, torch {m['torch']} ({doc['plan']['name']} run)")
+    fig.suptitle(f"gevent vs asyncio - {m['model']}, {m['cores']} cores, torch {m['torch']} "
+                 f"({doc['plan']['name']} run)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
