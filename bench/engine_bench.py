@@ -3,8 +3,8 @@
 ``python -m bench.engine_bench [--model resnet50] [--only overhead batching borrow overload]``
 
 - overhead: one 1-image request at concurrency 1, greenserve (2 workers, defaults) vs the bare pipeline
-  (same decode + model, no server, 1 process x all threads) on the same 12 MP photo;
-- batching: 32 concurrent clients of 1 image each (k6, open loop capped at 32 in flight): images/s with
+  (same decode + model, no server, 1 process x all threads) on the same 640x480 photo;
+- batching: 32 concurrent clients of 1 image each (the same small photo) (k6, open loop capped at 32 in flight): images/s with
   micro-batching across requests vs one request per forward;
 - borrow: one 30-photo request alone (N=1): 2 workers borrowing idle cores (default) vs 2 workers on their
   share, vs the bare pipeline as 1 process x 2 threads;
@@ -32,7 +32,7 @@ from typing import Any
 import requests
 
 from bench import bare
-from bench.album import ensure_album, load_album
+from bench.album import Photo, ensure_album, load_album, render
 from bench.imagehost import ImageHost
 from bench.k6 import run_closed, run_open
 from bench.launch import GunicornServer
@@ -58,23 +58,36 @@ def median_latency(url: str, body: dict[str, Any], n: int) -> float:
     return statistics.median(times)
 
 
-def overhead(model: str, weights: Path, album_dir: Path, host: ImageHost, cores: int) -> dict[str, Any]:
-    one = ensure_album(OUT / "album-one", count=1)
-    b = bare.measure(model, weights, one, processes=1, threads=cores, reps=20)
+def small_photo_album() -> tuple[Path, str, bytes]:
+    """A one-photo album of a 640x480 JPEG: 1-image requests where the model, not the image host, is the work."""
+    photo = Photo("small.jpg", 640, 480, 1, seed=7)
+    directory = OUT / "album-small"
+    directory.mkdir(parents=True, exist_ok=True)
+    data = render(photo)
+    (directory / photo.name).write_bytes(data)
+    (directory / "manifest.json").write_text(json.dumps({"photos": [{"name": photo.name}]}))
+    return directory, photo.name, data
+
+
+def overhead(model: str, weights: Path, host: ImageHost, cores: int) -> dict[str, Any]:
+    directory, name, data = small_photo_album()
+    host.blobs[name] = data
+    b = bare.measure(model, weights, directory, processes=1, threads=cores, reps=20)
     with GunicornServer(server_env(model, weights, host), workers=cores) as srv:
-        name = next(iter(load_album(album_dir)))  # img001.jpg: the same 12 MP photo as album-one's
         lat = median_latency(srv.url + "/v1/embeddings", {"images": [name]}, 20)
     return {"bare_ms": round(b["seconds_per_batch"] * 1000, 1), "greenserve_ms": round(lat * 1000, 1),
             "overhead_ms": round((lat - b["seconds_per_batch"]) * 1000, 1)}
 
 
-def batching(model: str, weights: Path, names: list[str], host: ImageHost, cores: int) -> dict[str, Any]:
+def batching(model: str, weights: Path, host: ImageHost, cores: int) -> dict[str, Any]:
+    _, name, data = small_photo_album()
+    host.blobs[name] = data
     rows = {}
     for label, extra in (("batched", {}), ("one request per forward",
                                          {"GREENSERVE_BATCH_ACROSS_REQUESTS": "false",
                                           "GREENSERVE_MAX_BATCH_WAIT_MS": "0"})):
         with GunicornServer(server_env(model, weights, host, **extra), workers=cores) as srv:
-            r = run_open(srv.url, names[:1], rate_per_min=12000, duration_s=20, max_inflight=32)
+            r = run_open(srv.url, [name], rate_per_min=12000, duration_s=20, max_inflight=32)
         rows[label] = {"images_per_s": r.images_per_s, "mean_ms": r.latency.mean if r.latency else None,
                        "errors": r.errors, "healthz_p99_ms": r.health.p99 if r.health else None}
     rows["ratio"] = round(rows["batched"]["images_per_s"] / max(rows["one request per forward"]["images_per_s"], 1e-9), 2)
@@ -172,9 +185,9 @@ def main(argv: list[str] | None = None) -> int:
     with ImageHost(album) as host:
         for section in args.only:
             if section == "overhead":
-                doc[section] = overhead(args.model, weights, album_dir, host, cores)
+                doc[section] = overhead(args.model, weights, host, cores)
             elif section == "batching":
-                doc[section] = batching(args.model, weights, names, host, cores)
+                doc[section] = batching(args.model, weights, host, cores)
             elif section == "borrow":
                 doc[section] = borrow(args.model, weights, album_dir, names, host, cores)
             elif section == "balance":

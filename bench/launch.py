@@ -35,7 +35,9 @@ class GunicornServer:
         self.env.update({"GREENSERVE_BIND": f"127.0.0.1:{self.port}", "GREENSERVE_WORKERS": str(workers),
                          "PYTHONUNBUFFERED": "1", **env})
         self.extra_args = extra_args or []
-        self.log_path = Path(tempfile.mkstemp(prefix="greenserve-", suffix=".log")[1])
+        fd, log_path = tempfile.mkstemp(prefix="greenserve-", suffix=".log")
+        os.close(fd)  # only the path is needed: start() reopens it for the child
+        self.log_path = Path(log_path)
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property

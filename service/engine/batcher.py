@@ -174,6 +174,7 @@ class Batcher:
             return
         feats, logits = outcome
         seconds = time.monotonic() - started
+        log.debug("batch of %d image(s) in %.3fs", len(batch), seconds)
         self.stats.record(len(batch), seconds)
         for i, item in enumerate(batch):
             item.result.set(Row(None if feats is None else feats[i], logits[i], started - item.enqueued,

@@ -212,6 +212,7 @@ class Runner:
         alone = board is not None and board.siblings(worker.slot())[0] == 0
         wanted = self._cores if alone else share
         if wanted != self._threads_now:
+            log.debug("torch threads %d -> %d (%s)", self._threads_now, wanted, "alone" if alone else "sharing")
             set_threads(wanted)
             self._threads_now = wanted
 

