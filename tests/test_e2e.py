@@ -96,6 +96,12 @@ BAD_INPUTS = [
     ("slow image host", {"json": {"images": ["img000.jpg?delay=4"]}}, 422, "fetch_timeout"),
     ("wrong content type header", {"data": b"{}", "headers": {"Content-Type": "text/csv"}}, 415,
      "unsupported_content_type"),
+    ("broken data url", {"json": {"images": ["data:image/png;base64,%%%"]}}, 422, "invalid_data_url"),
+    ("file url", {"json": {"images": ["file:///etc/passwd"]}}, 422, "invalid_url"),
+    ("unknown field", {"json": {"images": ["img000.jpg"], "topk": 3}}, 400, "invalid_request"),
+    ("top_k out of range", {"json": {"images": ["img000.jpg"], "top_k": 0}}, 400, "invalid_request"),
+    ("bad deadline header", {"json": {"images": ["img000.jpg"]}, "headers": {"X-Request-Timeout": "soon"}}, 400,
+     "invalid_request"),
 ]
 
 
