@@ -66,7 +66,6 @@ class Orchestrator:
     def run(self, req: InferenceRequest, task: str, *, deadline: float, request_id: str = "") -> dict[str, Any]:
         """The response body (without ``model``/``request_id``) for ``req``; raises request-level errors."""
         spans = _Spans()
-        started = spans.started
         outcomes: dict[int, Row | ImageError] = {r.index: r.error for r in req.refs if r.error is not None}
         with self.runner.admit(len(req.refs)):
             timeout = gevent.Timeout(max(0.0, deadline - time.monotonic()),
@@ -74,7 +73,7 @@ class Orchestrator:
                                                       "a longer X-Request-Timeout"))
             with timeout:
                 self._process(req, spans, outcomes, deadline, request_id)
-        return self._respond(req, task, outcomes, spans, started)
+        return self._respond(req, task, outcomes, spans)
 
     def _process(self, req: InferenceRequest, spans: _Spans, outcomes: dict[int, Row | ImageError],
                  deadline: float, request_id: str) -> None:
@@ -114,7 +113,7 @@ class Orchestrator:
         spans.add("inference", end - row.inference_s, end)
 
     def _respond(self, req: InferenceRequest, task: str, outcomes: dict[int, Row | ImageError],
-                 spans: _Spans, started: float) -> dict[str, Any]:
+                 spans: _Spans) -> dict[str, Any]:
         failures = [(r.index, r.name, outcomes[r.index]) for r in req.refs
                     if isinstance(outcomes.get(r.index), ImageError)]
         for _, _, err in failures:
@@ -135,6 +134,6 @@ class Orchestrator:
                 item["labels"] = postprocess.top_k(row.logits, req.top_k, labels)
             data.append(item)
         timings = {stage: spans.ms(stage) for stage in ("fetch", "decode", "queue", "inference")}
-        timings["total"] = round((time.monotonic() - started) * 1000, 1)
+        timings["total"] = round((time.monotonic() - spans.started) * 1000, 1)
         return {"data": data, "errors": [image_error_item(i, name, err) for i, name, err in failures],
                 "timings_ms": timings}
