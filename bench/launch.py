@@ -23,44 +23,85 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-class GunicornServer:
-    """``with GunicornServer({"GREENSERVE_MODEL": "resnet18"}, workers=2) as srv: srv.url``."""
+class ServerProcess:
+    """A server subprocess on 127.0.0.1, ready once its log shows ``ready_line`` for every worker.
 
-    def __init__(self, env: dict[str, str], *, workers: int = 2, port: int | None = None,
-                 ready_timeout_s: float = 120.0, extra_args: list[str] | None = None) -> None:
-        self.port = port or free_port()
+    Subclasses give ``command()``; ``env`` is the child's whole environment.
+    """
+
+    ready_line = READY_LINE
+    kind = "server"
+
+    def __init__(self, env: dict[str, str], *, workers: int, port: int, ready_timeout_s: float) -> None:
+        self.env = env
         self.workers = workers
+        self.port = port
         self.ready_timeout_s = ready_timeout_s
-        self.env = {k: v for k, v in os.environ.items() if not k.startswith("GREENSERVE_")}
-        self.env.update({"GREENSERVE_BIND": f"127.0.0.1:{self.port}", "GREENSERVE_WORKERS": str(workers),
-                         "PYTHONUNBUFFERED": "1", **env})
-        self.extra_args = extra_args or []
-        fd, log_path = tempfile.mkstemp(prefix="greenserve-", suffix=".log")
+        fd, log_path = tempfile.mkstemp(prefix=f"{self.kind}-", suffix=".log")
         os.close(fd)  # only the path is needed: start() reopens it for the child
         self.log_path = Path(log_path)
         self.proc: subprocess.Popen[bytes] | None = None
+
+    def command(self) -> list[str]:
+        raise NotImplementedError
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def start(self) -> "GunicornServer":
+    def start(self) -> "ServerProcess":
         with open(self.log_path, "wb") as log:  # the child keeps its own copy of the descriptor
-            self.proc = subprocess.Popen([sys.executable, "-m", "gunicorn", "-c", "gunicorn.conf.py",
-                                          *self.extra_args, "wsgi:app"],
-                                         cwd=ROOT, env=self.env, stdout=log, stderr=subprocess.STDOUT)
+            self.proc = subprocess.Popen(self.command(), cwd=ROOT, env=self.env, stdout=log,
+                                         stderr=subprocess.STDOUT)
         deadline = time.monotonic() + self.ready_timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"gunicorn exited with {self.proc.returncode}:\n{self.log()}")
-            if self.log().count(READY_LINE) >= self.workers:
+                raise RuntimeError(f"{self.kind} exited with {self.proc.returncode}:\n{self.log()}")
+            if self.log().count(self.ready_line) >= self.workers:
                 return self
             time.sleep(0.2)
         self.stop()
-        raise TimeoutError(f"gunicorn not ready after {self.ready_timeout_s}s:\n{self.log()}")
+        raise TimeoutError(f"{self.kind} not ready after {self.ready_timeout_s}s:\n{self.log()}")
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
+
+    def stop(self, timeout: float = 30.0) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def __enter__(self) -> "ServerProcess":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+class GunicornServer(ServerProcess):
+    """``with GunicornServer({"GREENSERVE_MODEL": "resnet18"}, workers=2) as srv: srv.url``."""
+
+    kind = "greenserve"
+
+    def __init__(self, env: dict[str, str], *, workers: int = 2, port: int | None = None,
+                 ready_timeout_s: float = 120.0, extra_args: list[str] | None = None) -> None:
+        port = port or free_port()
+        child_env = {k: v for k, v in os.environ.items() if not k.startswith("GREENSERVE_")}
+        child_env.update({"GREENSERVE_BIND": f"127.0.0.1:{port}", "GREENSERVE_WORKERS": str(workers),
+                          "PYTHONUNBUFFERED": "1", **env})
+        super().__init__(child_env, workers=workers, port=port, ready_timeout_s=ready_timeout_s)
+        self.extra_args = extra_args or []
+
+    def command(self) -> list[str]:
+        return [sys.executable, "-m", "gunicorn", "-c", "gunicorn.conf.py", *self.extra_args, "wsgi:app"]
+
+    def __enter__(self) -> "GunicornServer":
+        self.start()
+        return self
 
     def worker_pids(self) -> set[int]:
         """PIDs of the master's live children (the workers)."""
@@ -74,18 +115,3 @@ class GunicornServer:
         for _ in range(tries):
             pids.add(requests.get(self.url + "/healthz", timeout=5).json()["pid"])
         return pids
-
-    def stop(self, timeout: float = 30.0) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-
-    def __enter__(self) -> "GunicornServer":
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()

@@ -19,10 +19,11 @@ from tests.conftest import e2e_env
 
 pytestmark = pytest.mark.e2e
 IMAGE = "data:image/jpeg;base64," + base64.b64encode(images.jpeg(256, 256, seed=11)).decode()
+BIG_IMAGE = "data:image/jpeg;base64," + base64.b64encode(images.jpeg(640, 480, seed=12)).decode()  # x40 < the 8 MB body cap
 
 
-def embed(server: GunicornServer, n: int, **kw: object) -> requests.Response:
-    return requests.post(server.url + "/v1/embeddings", json={"images": [IMAGE] * n}, timeout=120, **kw)  # type: ignore[arg-type]
+def embed(server: GunicornServer, n: int, image: str = IMAGE, **kw: object) -> requests.Response:
+    return requests.post(server.url + "/v1/embeddings", json={"images": [image] * n}, timeout=120, **kw)  # type: ignore[arg-type]
 
 
 def in_background(fn, *args, **kwargs) -> tuple[threading.Thread, dict]:
@@ -82,16 +83,17 @@ def wait_admitted(server: GunicornServer, n: int) -> None:
 
 
 def test_busy_worker_lets_its_idle_sibling_take_new_connections(two_workers: GunicornServer) -> None:
-    thread, out = in_background(embed, two_workers, 40)
+    thread, out = in_background(embed, two_workers, 40, image=BIG_IMAGE)
     wait_admitted(two_workers, 40)
-    probe_pids = set()
-    while thread.is_alive() and len(probe_pids) < 5:
-        probe_pids.add(requests.get(two_workers.url + "/healthz", timeout=5).json()["pid"])
-        if len(probe_pids) > 1:
-            break
+    probes = []  # (pid, the long request still running when the probe came back)
+    while thread.is_alive() and len(probes) < 5:
+        pid = requests.get(two_workers.url + "/healthz", timeout=5).json()["pid"]
+        probes.append((pid, thread.is_alive()))
     thread.join(120)
     busy_pid = int(out["response"].headers["X-Worker-PID"])
-    assert probe_pids and busy_pid not in probe_pids, "new connections went to the busy worker"
+    during = [pid for pid, running in probes if running]
+    assert during, f"the long request ended before any probe: {probes}"
+    assert busy_pid not in during, f"new connections went to the busy worker {busy_pid}: {probes}"
 
 
 def _metric(text: str, name: str, labels: str = "") -> float:
