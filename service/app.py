@@ -47,7 +47,7 @@ def _load_model(settings: Settings) -> Model:
     from service.engine.model import load_model, resolve_device
 
     torch.set_num_threads(settings.torch_threads_per_worker())
-    device = resolve_device(settings.device, worker.ordinal())
+    device = resolve_device(settings.device, worker.slot())
     log.info("loading %s (weights=%s) on %s with %d torch thread(s)", settings.model, settings.weights,
              device, torch.get_num_threads())
     return load_model(settings.model, settings.weights, device=device, channels_last=settings.channels_last,

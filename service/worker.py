@@ -77,11 +77,8 @@ def set_slot(slot: int) -> None:
 
 
 def slot() -> int:
-    return _slot
-
-
-def ordinal() -> int:
-    """This worker's index among its siblings (0..workers-1 while none has been replaced)."""
+    """This worker's index among its siblings (0..workers-1 while none has been replaced): also used to
+    spread workers over GPUs."""
     return _slot
 
 

@@ -178,3 +178,12 @@ def test_bfloat16_autocast_embeddings_stay_within_tolerance(saved_state: tuple[P
     pixels = batch(4)
     cos = torch.nn.functional.cosine_similarity(fp32.forward(pixels)[0], bf16.forward(pixels)[0])
     assert float(cos.min()) > 0.999
+
+
+def test_rejoin_puts_the_head_back_where_it_was_and_nowhere_else() -> None:
+    net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Identity(), torch.nn.Linear(4, 2))
+    keys = set(net.state_dict())
+    split = split_head(net)
+    rejoined = model_mod._rejoin_head(split)
+    assert isinstance(rejoined[1], torch.nn.Identity)  # an unrelated Identity stays an Identity
+    assert set(rejoined.state_dict()) == keys

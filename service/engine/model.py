@@ -101,10 +101,11 @@ class LoadedModel:
 class EmbedClassify(nn.Module):
     """A torchvision classifier split at its last Linear: ``forward(x) -> (features, logits)``."""
 
-    def __init__(self, backbone: nn.Module, head: nn.Module) -> None:
+    def __init__(self, backbone: nn.Module, head: nn.Module, head_name: str) -> None:
         super().__init__()
         self.backbone = backbone
         self.head = head
+        self.head_name = head_name  # where the head sat in ``backbone`` (for export)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         feats = self.backbone(x)
@@ -205,11 +206,7 @@ def export_checkpoint(name: str, weights: str, out: str, *, channels_last: bool 
 
 def _rejoin_head(split: EmbedClassify) -> nn.Module:
     """Put the classifier head back where ``split_head`` took it, for a torchvision-shaped state dict."""
-    for qualname, mod in split.backbone.named_modules():
-        if isinstance(mod, nn.Identity):
-            parent_name, _, attr = qualname.rpartition(".")
-            parent = split.backbone.get_submodule(parent_name) if parent_name else split.backbone
-            setattr(parent, attr, split.head)
+    _swap(split.backbone, split.head_name, split.head)
     return split.backbone
 
 
@@ -240,17 +237,27 @@ def is_torchscript(path: str) -> bool:
 
 def split_head(model: nn.Module) -> EmbedClassify:
     """Cut ``model`` at its last ``nn.Linear``: what feeds it is the embedding."""
+    last = _last_linear_name(model)
+    if last is None:
+        raise ModelLoadError(f"{type(model).__name__} has no Linear classifier head; embeddings need one")
+    return EmbedClassify(model, _swap(model, last, nn.Identity()), last)
+
+
+def _last_linear_name(model: nn.Module) -> str | None:
     last = None
     for qualname, mod in model.named_modules():
         if isinstance(mod, nn.Linear):
             last = qualname
-    if last is None:
-        raise ModelLoadError(f"{type(model).__name__} has no Linear classifier head; embeddings need one")
-    parent_name, _, attr = last.rpartition(".")
+    return last
+
+
+def _swap(model: nn.Module, qualname: str, new: nn.Module) -> nn.Module:
+    """Put ``new`` at ``qualname`` inside ``model``; return what was there."""
+    parent_name, _, attr = qualname.rpartition(".")
     parent = model.get_submodule(parent_name) if parent_name else model
-    head = getattr(parent, attr)
-    setattr(parent, attr, nn.Identity())
-    return EmbedClassify(model, head)
+    old = getattr(parent, attr)
+    setattr(parent, attr, new)
+    return old
 
 
 def _load_torchscript(path: str, device: torch.device) -> nn.Module:
@@ -290,7 +297,7 @@ def _from_state_dict(name: str, state: dict[str, torch.Tensor]) -> nn.Module:
     kwargs: dict[str, Any] = {}
     with torch.device("meta"):
         model = builder(weights=None)
-    head_key = _last_linear_weight_key(model)
+    head_key = f"{_last_linear_name(model)}.weight"
     if head_key in state and state[head_key].shape[0] != model.get_submodule(head_key[:-7]).out_features:
         kwargs["num_classes"] = state[head_key].shape[0]
         with torch.device("meta"):
@@ -307,14 +314,6 @@ def _from_state_dict(name: str, state: dict[str, torch.Tensor]) -> nn.Module:
     if missing:
         raise ModelLoadError(f"the weights file leaves {name} tensors unset: {', '.join(missing[:5])}")
     return model
-
-
-def _last_linear_weight_key(model: nn.Module) -> str:
-    last = ""
-    for qualname, mod in model.named_modules():
-        if isinstance(mod, nn.Linear):
-            last = qualname
-    return f"{last}.weight"
 
 
 def _autocast(device: torch.device, dtype: torch.dtype) -> Any:

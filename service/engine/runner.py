@@ -98,9 +98,6 @@ class Runner:
         model.warm_up()
         return model
 
-    def wait_ready(self, timeout: float | None = None) -> bool:
-        return self._ready.wait(timeout)
-
     @property
     def ready(self) -> bool:
         return self._ready.is_set()
@@ -115,18 +112,7 @@ class Runner:
         assert self.model is not None
         return self.model.info.labels
 
-    def close(self) -> None:
-        if self._gate is not None:
-            self._gate.kill()
-        self.batcher.stop()
-        self._infer_pool.kill()
-        self._decode_pool.kill()
-
     # ------------------------------------------------------------------ load and admission
-
-    @property
-    def admitted_images(self) -> int:
-        return self._admitted
 
     @contextlib.contextmanager
     def request(self) -> Iterator[None]:
