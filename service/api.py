@@ -60,6 +60,8 @@ def _finish(response: Response) -> Response:
     metrics.REQUESTS.labels(route, str(response.status_code)).inc()
     response.headers["X-Request-ID"] = g.get("request_id", "")
     response.headers["X-Worker-PID"] = str(os.getpid())  # which worker answered: for balance diagnostics
+    if "started" in g:  # time inside the app (parsing to JSON), for telling server time from network time
+        response.headers["Server-Timing"] = f"app;dur={(time.monotonic() - g.started) * 1000:.1f}"
     return response
 
 

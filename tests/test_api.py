@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import io
+import time
 
 import numpy as np
 import pytest
@@ -147,3 +148,23 @@ def test_deadline_header_gives_504(fetcher: FakeFetcher) -> None:
     client = make_client(FakeModel(delay_s=0.5), fetcher)
     r = client.post("/v1/embeddings", json={"images": ["g10.png"]}, headers={"X-Request-Timeout": "0.1"})
     assert r.status_code == 504 and r.json["error"]["code"] == "deadline_exceeded"
+
+
+def test_images_that_fail_on_the_way_are_not_waited_for(model: FakeModel, fetcher: FakeFetcher) -> None:
+    """Images refused at parsing, fetching or decoding are settled at once: the good image's batch, told to
+    wait up to 1 s for more images while any are on their way, goes as soon as none is."""
+    client = make_client(model, fetcher, max_batch_wait_ms=1000)
+    body = {"images": ["g10.png", "html.jpg", "missing.png", "data:image/png;base64,!!"], "partial": True}
+    t0 = time.monotonic()
+    r = client.post("/v1/embeddings", json=body)
+    assert r.status_code == 200 and len(r.json["data"]) == 1
+    assert time.monotonic() - t0 < 0.8, "the batch waited for images that had already failed"
+    runner = client.application.extensions["greenserve"]["runner"]
+    assert (runner._upstream, runner._admitted) == (0, 0)
+
+
+def test_server_timing_header_on_every_response(client: FlaskClient) -> None:
+    for r in (client.get("/healthz"), client.post("/v1/embeddings", json={"images": ["g10.png"]}),
+              client.get("/nope")):
+        name, _, dur = r.headers["Server-Timing"].partition(";dur=")
+        assert name == "app" and float(dur) >= 0

@@ -130,3 +130,54 @@ def test_earlier_requests_images_go_first_whatever_order_they_arrive_in() -> Non
     blocker.get()
     gevent.joinall(jobs, raise_error=True)
     assert order == ["early", "late"]
+
+
+def test_nothing_upstream_means_no_wait_for_a_fuller_batch() -> None:
+    fwd = Forward(delay_s=0)
+    b = make(fwd, max_wait_s=5.0, upstream=lambda: 0)
+    t0 = time.monotonic()
+    assert b.submit(pixel(3)).get(timeout=2).features[0] == 3
+    assert time.monotonic() - t0 < 1.0, "a lone image waited for images that could not come"
+    b.stop()
+
+
+def test_images_still_upstream_are_waited_for_up_to_max_wait() -> None:
+    fwd = Forward(delay_s=0)
+    upstream = [1]
+    b = make(fwd, max_wait_s=5.0, upstream=lambda: upstream[0])
+    first = b.submit(pixel(1))
+    gevent.sleep(0.05)
+    upstream[0] = 0
+    second = b.submit(pixel(2))
+    assert (first.get(timeout=2).batch_size, second.get(timeout=2).batch_size) == (2, 2)
+    b.stop()
+
+
+def test_gathering_batch_waits_past_max_wait_while_images_keep_arriving() -> None:
+    """A lone worker's batch: images arriving 50 ms apart (10x max_wait) still go as one forward."""
+    fwd = Forward(delay_s=0)
+    upstream = [6]
+    b = make(fwd, max_wait_s=0.005, upstream=lambda: upstream[0], gather=lambda: True)
+
+    def feed() -> list:
+        results = []
+        for i in range(6):
+            upstream[0] -= 1
+            results.append(b.submit(pixel(i), group="r"))
+            gevent.sleep(0.05)
+        return results
+
+    results = gevent.spawn(feed).get()
+    assert [r.get(timeout=2).features[0] for r in results] == list(range(6))
+    assert fwd.sizes == [6]
+    b.stop()
+
+
+def test_gathering_batch_goes_when_arrivals_stall() -> None:
+    fwd = Forward(delay_s=0)
+    b = make(fwd, max_wait_s=0.005, upstream=lambda: 1, gather=lambda: True)  # one image never comes
+    t0 = time.monotonic()
+    assert b.submit(pixel(4)).get(timeout=2).features[0] == 4
+    waited = time.monotonic() - t0
+    assert 0.1 < waited < 1.5, f"a stalled gather should wait about GATHER_GAP_S, waited {waited:.3f}s"
+    b.stop()

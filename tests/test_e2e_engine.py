@@ -123,3 +123,21 @@ def test_metrics_count_what_happened_across_workers(two_workers: GunicornServer)
     assert _metric(after, "greenserve_batch_size_count") >= 1
     assert len(re.findall(r"^greenserve_model_load_seconds\{", after, re.M)) == 2  # one per live worker
     assert _metric(after, "greenserve_queue_images") == 0
+
+
+def _thread_nices(pid: int) -> dict[int, int]:
+    """Each native thread of ``pid`` → its nice value (field 19 of /proc/PID/task/TID/stat)."""
+    nices = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        stat = (task / "stat").read_text()
+        nices[int(task.name)] = int(stat[stat.rindex(")") + 2:].split()[16])
+    return nices
+
+
+def test_decode_and_inference_threads_run_below_the_hub(two_workers: GunicornServer) -> None:
+    assert embed(two_workers, 4).status_code == 200
+    pid = int(embed(two_workers, 4).headers["X-Worker-PID"])
+    nices = _thread_nices(pid)
+    assert nices[pid] == 0, "the hub (the worker's main thread) must keep its priority"
+    lowered = [tid for tid, nice in nices.items() if nice == 10]
+    assert len(lowered) >= 2, f"the inference thread and a decode thread should run at nice 10: {nices}"

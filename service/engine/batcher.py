@@ -27,6 +27,7 @@ log = logging.getLogger(__name__)
 
 # Forward function: a uint8 (N, H, W, 3) batch → (features or None, logits), row i for image i.
 RunBatch = Callable[[np.ndarray], tuple]
+GATHER_GAP_S = 0.2  # a gathering batch goes once no image has arrived for this long
 
 
 @dataclass(frozen=True)
@@ -72,13 +73,22 @@ class BatchStats:
 
 class Batcher:
     def __init__(self, run_batch: RunBatch, pool: ThreadPool, *, max_batch: int, max_wait_s: float,
-                 across_requests: bool = True) -> None:
+                 across_requests: bool = True, upstream: Callable[[], int] | None = None,
+                 gather: Callable[[], bool] | None = None) -> None:
         self._run_batch = run_batch
         self._pool = pool
         self.max_batch = max_batch
         self.max_wait_s = max_wait_s
         # False: a forward only holds images of one request (with max_wait_s=0: exactly the plain lock)
         self.across_requests = across_requests
+        # images admitted but still being fetched or decoded: when there are none, a non-full batch goes
+        # at once instead of waiting max_wait_s for images that cannot come
+        self._upstream = upstream
+        # true while the forward would run on every core (a lone worker): then a batch keeps gathering as
+        # long as images keep arriving (gaps under GATHER_GAP_S), so decode and torch do not fight for the
+        # cores and one big forward runs after decode instead of small ones stalled by it
+        self._gather = gather
+        self._last_submit = 0.0
         # Images are served in the order their *requests* arrived, not the order their bytes did:
         # concurrent requests' images arrive interleaved (fetches overlap), and serving them in that
         # order would share the model between all requests (every one finishes near the end). Request
@@ -109,8 +119,13 @@ class Batcher:
         rank = (time.monotonic() if arrived is None else arrived, next(self._order))
         item = _Item(pixels, deadline, group, rank)
         heapq.heappush(self._items, (rank, item))
+        self._last_submit = item.enqueued
         self._arrived.set()
         return item.result
+
+    def wake(self) -> None:
+        """Make a waiting collector look again (at ``upstream``, say)."""
+        self._arrived.set()
 
     def _collect_forever(self) -> None:
         while True:
@@ -131,11 +146,19 @@ class Batcher:
             if item is not None:
                 batch.append(item)
                 continue
-            remaining = until - time.monotonic()
+            if self._upstream is not None and self._upstream() <= 0:
+                break
+            now = time.monotonic()
+            remaining = until - now
+            if self._gather is not None and self._gather():
+                remaining = max(remaining, self._last_submit + GATHER_GAP_S - now)
             if remaining <= 0:
                 break
             self._arrived.clear()
             self._arrived.wait(remaining)
+        log.debug("batch goes: %d images, upstream %s, gather %s, since last submit %.3f", len(batch),
+                  self._upstream() if self._upstream else None, self._gather() if self._gather else None,
+                  time.monotonic() - self._last_submit)
         return batch
 
     def _pop(self, group: object) -> _Item | None:

@@ -22,7 +22,7 @@ import gevent.pool
 import numpy as np
 
 from service.engine.batcher import Row
-from service.engine.runner import Runner
+from service.engine.runner import Admission, Runner
 from service.errors import DeadlineExceeded, ImageError, ImagesFailed, image_error_item
 from service.pipeline import postprocess
 from service.pipeline.decode import decode_image
@@ -67,21 +67,22 @@ class Orchestrator:
         """The response body (without ``model``/``request_id``) for ``req``; raises request-level errors."""
         spans = _Spans()
         outcomes: dict[int, Row | ImageError] = {r.index: r.error for r in req.refs if r.error is not None}
-        with self.runner.admit(len(req.refs)):
+        with self.runner.admit(len(req.refs)) as admission:
+            admission.settle(len(outcomes))  # refused at parsing: they never come
             timeout = gevent.Timeout(max(0.0, deadline - time.monotonic()),
                                      DeadlineExceeded("the request deadline passed; retry with fewer images or "
                                                       "a longer X-Request-Timeout"))
             with timeout:
-                self._process(req, spans, outcomes, deadline, request_id)
+                self._process(req, admission, spans, outcomes, deadline, request_id)
         return self._respond(req, task, outcomes, spans)
 
-    def _process(self, req: InferenceRequest, spans: _Spans, outcomes: dict[int, Row | ImageError],
-                 deadline: float, request_id: str) -> None:
+    def _process(self, req: InferenceRequest, admission: Admission, spans: _Spans,
+                 outcomes: dict[int, Row | ImageError], deadline: float, request_id: str) -> None:
         group = gevent.pool.Group()
         try:
             for ref in req.refs:
                 if ref.data is not None:
-                    group.spawn(self._image, ref, ref.data, spans, outcomes, deadline)
+                    group.spawn(self._image, ref, ref.data, admission, spans, outcomes, deadline)
             remote = [r for r in req.refs if r.url is not None and r.error is None]
             if remote:
                 fetch_start = time.monotonic()
@@ -90,14 +91,15 @@ class Orchestrator:
                     spans.add("fetch", fetch_start, time.monotonic())
                     if isinstance(result, ImageError):
                         outcomes[remote[i].index] = result
+                        admission.settle()
                     else:
-                        group.spawn(self._image, remote[i], result, spans, outcomes, deadline)
+                        group.spawn(self._image, remote[i], result, admission, spans, outcomes, deadline)
             group.join(raise_error=True)
         finally:
             group.kill()
 
-    def _image(self, ref: ImageRef, data: bytes, spans: _Spans, outcomes: dict[int, Row | ImageError],
-               deadline: float) -> None:
+    def _image(self, ref: ImageRef, data: bytes, admission: Admission, spans: _Spans,
+               outcomes: dict[int, Row | ImageError], deadline: float) -> None:
         t0 = time.monotonic()
         try:
             pixels = self.runner.offload(decode_and_crop, data, self.runner.transform, self.max_pixels)
@@ -106,6 +108,7 @@ class Orchestrator:
             return
         finally:
             spans.add("decode", t0, time.monotonic())
+            admission.settle()  # next: the batcher (no yield in between), or it failed
         row: Row = self.runner.infer(pixels, deadline, group=outcomes, arrived=spans.started).get()
         outcomes[ref.index] = row
         end = time.monotonic()
