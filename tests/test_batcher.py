@@ -181,3 +181,24 @@ def test_gathering_batch_goes_when_arrivals_stall() -> None:
     waited = time.monotonic() - t0
     assert 0.1 < waited < 1.5, f"a stalled gather should wait about GATHER_GAP_S, waited {waited:.3f}s"
     b.stop()
+
+
+class Request:
+    def __init__(self, upstream: int) -> None:
+        self.upstream = upstream
+
+
+def test_a_request_with_images_on_their_way_gets_batches_of_its_own() -> None:
+    """On a CPU an image costs the same in any batch: filling request A's batch with B's images while more
+    of A's are coming would only delay A. Once nothing of A's is upstream, batches mix again."""
+    fwd = Forward(delay_s=0.02)
+    b = make(fwd, max_wait_s=0.005)
+    a, later = Request(upstream=2), Request(upstream=0)
+    b.submit(pixel(99)).get(timeout=2)  # warm: the next batch starts from an empty queue
+    results = [b.submit(pixel(1), group=a, arrived=1.0), b.submit(pixel(2), group=a, arrived=1.0)]
+    results += [b.submit(pixel(10 + i), group=later, arrived=2.0) for i in range(3)]
+    assert [r.get(timeout=2).batch_size for r in results] == [2, 2, 3, 3, 3]
+    a.upstream = 0
+    mixed = [b.submit(pixel(3), group=a, arrived=1.0), b.submit(pixel(20), group=later, arrived=2.0)]
+    assert [r.get(timeout=2).batch_size for r in mixed] == [2, 2]
+    b.stop()

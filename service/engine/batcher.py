@@ -115,7 +115,8 @@ class Batcher:
     def submit(self, pixels: np.ndarray, deadline: float | None = None, group: object = None,
                arrived: float | None = None) -> AsyncResult:
         """Queue one image of request ``group`` (which ``arrived`` at that monotonic time; now if not given);
-        ``.get()`` the result to wait for its ``Row``."""
+        ``.get()`` the result to wait for its ``Row``. A group may say how many of its images are still on
+        their way in an ``upstream`` attribute (see ``_exclusive``)."""
         rank = (time.monotonic() if arrived is None else arrived, next(self._order))
         item = _Item(pixels, deadline, group, rank)
         heapq.heappush(self._items, (rank, item))
@@ -142,7 +143,7 @@ class Batcher:
         batch = [first]
         until = time.monotonic() + self.max_wait_s
         while len(batch) < self.max_batch:
-            item = self._pop(first.group)
+            item = self._pop(first.group if self._exclusive(first.group) else None)
             if item is not None:
                 batch.append(item)
                 continue
@@ -156,13 +157,22 @@ class Batcher:
                 break
             self._arrived.clear()
             self._arrived.wait(remaining)
-        log.debug("batch goes: %d images, upstream %s, gather %s, since last submit %.3f", len(batch),
-                  self._upstream() if self._upstream else None, self._gather() if self._gather else None,
-                  time.monotonic() - self._last_submit)
         return batch
 
+    def _exclusive(self, group: object) -> bool:
+        """Whether a batch led by ``group``'s image may only hold that group's images.
+
+        Always without cross-request batching. With it, while the group still has images on their way
+        (``group.upstream`` > 0, see ``Runner.Admission``): on a CPU an image costs the same in any batch,
+        so filling the batch with a later request's images would only delay the earlier request, and
+        the next batch will hold more of its images anyway. Tiny requests (nothing upstream) still
+        share forwards.
+        """
+        return not self.across_requests or getattr(group, "upstream", 0) > 0
+
     def _pop(self, group: object) -> _Item | None:
-        if self.across_requests:
+        """The next image by rank, or (``group`` given) the next of that group's."""
+        if group is None:
             return heapq.heappop(self._items)[1] if self._items else None
         for i, (_, item) in enumerate(self._items):
             if item.group is group:

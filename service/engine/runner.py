@@ -13,6 +13,8 @@ connections while a sibling is idle, and a worker whose siblings are all idle le
 from __future__ import annotations
 
 import contextlib
+import heapq
+import itertools
 import logging
 import os
 import sys
@@ -54,6 +56,7 @@ class Runner:
         self.settings = settings
         self._infer_pool = ThreadPool(1)  # the worker-local lock: one native thread touches the model
         self._decode_pool = ThreadPool(settings.decode_threads_per_worker())
+        self._decode_slots = RankedSlots(self._decode_pool.maxsize)
         self._loader = loader
         self.model: Model | None = model
         self.load_error: BaseException | None = None
@@ -180,13 +183,18 @@ class Runner:
 
     # ------------------------------------------------------------------ work
 
-    def offload(self, fn: Callable[..., T], *args: Any) -> T:
+    def offload(self, fn: Callable[..., T], *args: Any, rank: tuple[float, int] | None = None) -> T:
         """Run CPU-bound ``fn`` in a native decode thread; the calling greenlet waits cooperatively.
+
+        Tasks start in ``rank`` order (the request's arrival, the image's index), unranked ones first: the
+        images of the earliest request are decoded first, so it can finish first (decoded in the order
+        their bytes came, concurrent requests would all finish late together).
 
         ``GreenserveError``s (a bad image, say) are carried back and raised here, in the greenlet;
         gevent would otherwise print each one as a crashed task.
         """
-        outcome = self._decode_pool.apply(_capture_expected, (self.settings.compute_nice, fn, args))
+        with self._decode_slots.take((float("-inf"), 0) if rank is None else rank):
+            outcome = self._decode_pool.apply(_capture_expected, (self.settings.compute_nice, fn, args))
         if isinstance(outcome, _Raised):
             raise outcome.error
         return outcome
@@ -239,6 +247,43 @@ class Admission:
         """``n`` of the request's images reached the batcher, or failed on the way."""
         self.upstream -= n
         self._runner._settled(n)
+
+
+class RankedSlots:
+    """At most ``n`` holders at a time; waiting greenlets get a slot in rank order, lowest first."""
+
+    def __init__(self, n: int) -> None:
+        self._free = n
+        self._waiting: list[list[Any]] = []  # heap of [rank, seq, event, still waiting]
+        self._seq = itertools.count()
+
+    @contextlib.contextmanager
+    def take(self, rank: tuple[float, int]) -> Iterator[None]:
+        if self._free and not self._waiting:
+            self._free -= 1
+        else:
+            entry = [rank, next(self._seq), Event(), True]
+            heapq.heappush(self._waiting, entry)
+            try:
+                entry[2].wait()
+            except BaseException:  # killed (deadline): give up the place, or the slot handed over
+                entry[3] = False
+                if entry[2].is_set():
+                    self._release()
+                raise
+        try:
+            yield
+        finally:
+            self._release()
+
+    def _release(self) -> None:
+        while self._waiting:
+            entry = heapq.heappop(self._waiting)
+            if entry[3]:
+                entry[3] = False
+                entry[2].set()  # the slot passes straight to the best waiter
+                return
+        self._free += 1
 
 
 class _Raised:

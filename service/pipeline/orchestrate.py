@@ -102,14 +102,15 @@ class Orchestrator:
                outcomes: dict[int, Row | ImageError], deadline: float) -> None:
         t0 = time.monotonic()
         try:
-            pixels = self.runner.offload(decode_and_crop, data, self.runner.transform, self.max_pixels)
+            pixels = self.runner.offload(decode_and_crop, data, self.runner.transform, self.max_pixels,
+                                         rank=(spans.started, ref.index))
         except ImageError as err:
             outcomes[ref.index] = err
             return
         finally:
             spans.add("decode", t0, time.monotonic())
             admission.settle()  # next: the batcher (no yield in between), or it failed
-        row: Row = self.runner.infer(pixels, deadline, group=outcomes, arrived=spans.started).get()
+        row: Row = self.runner.infer(pixels, deadline, group=admission, arrived=spans.started).get()
         outcomes[ref.index] = row
         end = time.monotonic()
         spans.add("queue", end - row.inference_s - row.queue_s, end - row.inference_s)
