@@ -3,10 +3,10 @@
 ``python -m bench.bare --model M --weights W --album DIR --threads T --reps R [--out emb.npy]`` loads the
 model exactly as every design does (``load_model`` from the same state-dict file, channels_last), decodes
 the album with greenserve's ``decode_and_crop`` (in T threads: Pillow drops the GIL) and runs it as one
-batch, R times after a warm-up. It prints "ready" after the warm-up and waits for a line on stdin
-before timing (so the processes of a layout run together), then one JSON line
-``{"images_per_s", "seconds_per_batch"}`` and, with ``--out``, saves the L2-normalised embeddings
-(album order) as float32 ``.npy``.
+batch, R times after a warm-up. With ``--out`` it saves the L2-normalised embeddings (album order) as float32
+``.npy``. It prints "ready" after the warm-up, then for each line on stdin (so the processes of a layout
+start together) times R runs and prints one JSON line ``{"images_per_s", "seconds_per_batch"}``; EOF
+ends it.
 
 Run as a subprocess, one per process of the layout being measured (``measure()`` does that), so torch
 never runs in the comparison harness itself.
@@ -82,7 +82,7 @@ def measure(model: str, weights: Path, album: Path, *, processes: int, threads: 
             "seconds_per_batch": round(max(r["seconds_per_batch"] for r in results), 3)}
 
 
-def _run(args: argparse.Namespace) -> dict[str, float]:
+def _run(args: argparse.Namespace) -> None:
     import numpy as np
     import torch
 
@@ -104,16 +104,47 @@ def _run(args: argparse.Namespace) -> dict[str, float]:
             return feats.numpy()
 
         feats = once()  # warm-up with the real batch shape (first-call allocations)
+        if args.out:
+            norms = np.maximum(np.linalg.norm(feats, axis=1, keepdims=True), 1e-12)
+            np.save(args.out, (feats / norms).astype(np.float32))
         print(READY, flush=True)
-        sys.stdin.readline()  # the go signal: sibling processes of the layout start timing together
-        started = time.perf_counter()
-        for _ in range(args.reps):
-            once()
-        elapsed = (time.perf_counter() - started) / args.reps
-    if args.out:
-        norms = np.maximum(np.linalg.norm(feats, axis=1, keepdims=True), 1e-12)
-        np.save(args.out, (feats / norms).astype(np.float32))
-    return {"images_per_s": round(len(blobs) / elapsed, 2), "seconds_per_batch": round(elapsed, 3)}
+        # each line is a go signal (sibling processes of a layout start timing together); EOF ends
+        for _ in sys.stdin:
+            started = time.perf_counter()
+            for _ in range(args.reps):
+                once()
+            elapsed = (time.perf_counter() - started) / args.reps
+            print(json.dumps({"images_per_s": round(len(blobs) / elapsed, 2),
+                              "seconds_per_batch": round(elapsed, 4)}), flush=True)
+
+
+class BareProcess:
+    """One bare process kept warm, timed on demand: ``with BareProcess(...) as b: b.seconds_per_batch()``,
+    so a benchmark can alternate bare and server measurements instead of taking them minutes apart."""
+
+    def __init__(self, model: str, weights: Path, album: Path, *, threads: int, reps: int) -> None:
+        self.cmd = [sys.executable, "-m", "bench.bare", "--model", model, "--weights", str(weights), "--album",
+                    str(album), "--threads", str(threads), "--reps", str(reps)]
+        self.proc: subprocess.Popen[str] | None = None
+
+    def __enter__(self) -> "BareProcess":
+        self.proc = subprocess.Popen(self.cmd, cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True)
+        assert self.proc.stdout is not None
+        if self.proc.stdout.readline().strip() != READY:
+            _, stderr = self.proc.communicate(timeout=60)
+            raise RuntimeError(f"bench.bare did not get ready ({self.proc.returncode}):\n{stderr[-3000:]}")
+        return self
+
+    def seconds_per_batch(self) -> float:
+        assert self.proc is not None and self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write("go\n")
+        self.proc.stdin.flush()
+        return json.loads(self.proc.stdout.readline())["seconds_per_batch"]
+
+    def __exit__(self, *exc: object) -> None:
+        assert self.proc is not None
+        self.proc.communicate(timeout=60)  # closes stdin: the process ends
 
 
 def main() -> None:
@@ -124,7 +155,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--reps", type=int, default=2)
     parser.add_argument("--out", type=Path)
-    print(json.dumps(_run(parser.parse_args())), flush=True)
+    _run(parser.parse_args())
 
 
 if __name__ == "__main__":

@@ -3,7 +3,8 @@
 ``python -m bench.engine_bench [--model resnet50] [--only overhead batching borrow overload]``
 
 - overhead: one 1-image request at concurrency 1, greenserve (2 workers, defaults) vs the bare pipeline
-  (same decode + model, no server, 1 process x all threads) on the same 640x480 photo;
+  (same decode + model, no server, 1 process x all threads) on the same 640x480 photo, timed in
+  alternation;
 - batching: 32 concurrent clients of 1 image each (the same small photo) (k6, open loop capped at 32 in flight): images/s with
   micro-batching across requests vs one request per forward;
 - borrow: one 30-photo request alone (N=1): 2 workers borrowing idle cores (default) vs 2 workers on their
@@ -46,18 +47,6 @@ def server_env(model: str, weights: Path, host: ImageHost, **extra: str) -> dict
             "GREENSERVE_LOG_LEVEL": "info", **extra}
 
 
-def median_latency(url: str, body: dict[str, Any], n: int) -> float:
-    session = requests.Session()
-    for _ in range(3):
-        session.post(url, json=body, timeout=120).raise_for_status()
-    times = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        session.post(url, json=body, timeout=120).raise_for_status()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 def small_photo_album() -> tuple[Path, str, bytes]:
     """A one-photo album of a 640x480 JPEG: 1-image requests where the model, not the image host, is the work."""
     photo = Photo("small.jpg", 640, 480, 1, seed=7)
@@ -69,14 +58,31 @@ def small_photo_album() -> tuple[Path, str, bytes]:
     return directory, photo.name, data
 
 
-def overhead(model: str, weights: Path, host: ImageHost, cores: int) -> dict[str, Any]:
+def overhead(model: str, weights: Path, host: ImageHost, cores: int, rounds: int = 10) -> dict[str, Any]:
+    """Bare and server timed in alternation (5 bare runs, then 5 requests, ``rounds`` times), so the
+    machine's drift hits both alike; medians. ``app`` is the server's own Server-Timing."""
     directory, name, data = small_photo_album()
     host.blobs[name] = data
-    b = bare.measure(model, weights, directory, processes=1, threads=cores, reps=20)
-    with GunicornServer(server_env(model, weights, host), workers=cores) as srv:
-        lat = median_latency(srv.url + "/v1/embeddings", {"images": [name]}, 20)
-    return {"bare_ms": round(b["seconds_per_batch"] * 1000, 1), "greenserve_ms": round(lat * 1000, 1),
-            "overhead_ms": round((lat - b["seconds_per_batch"]) * 1000, 1)}
+    bare_s: list[float] = []
+    server_s: list[float] = []
+    app_ms: list[float] = []
+    with GunicornServer(server_env(model, weights, host), workers=cores) as srv, \
+            bare.BareProcess(model, weights, directory, threads=cores, reps=5) as b:
+        url = srv.url + "/v1/embeddings"
+        session = requests.Session()
+        for _ in range(3):
+            session.post(url, json={"images": [name]}, timeout=120).raise_for_status()
+        for _ in range(rounds):
+            bare_s.append(b.seconds_per_batch())
+            for _ in range(5):
+                t0 = time.perf_counter()
+                r = session.post(url, json={"images": [name]}, timeout=120)
+                server_s.append(time.perf_counter() - t0)
+                r.raise_for_status()
+                app_ms.append(float(r.headers["Server-Timing"].partition("dur=")[2]))
+    bare_ms, lat_ms = statistics.median(bare_s) * 1000, statistics.median(server_s) * 1000
+    return {"bare_ms": round(bare_ms, 1), "greenserve_ms": round(lat_ms, 1), "overhead_ms": round(lat_ms - bare_ms, 1),
+            "greenserve_app_ms": round(statistics.median(app_ms), 1), "requests": len(server_s), "bare_runs": 5 * rounds}
 
 
 def batching(model: str, weights: Path, host: ImageHost, cores: int) -> dict[str, Any]:

@@ -87,9 +87,10 @@ class Settings:
                                            "one request per forward)", parse="bool")
     borrow_idle_cores: bool = _setting(True, "on CPU, a worker whose siblings are all idle runs torch on every "
                                        "core, and on its share (cores // workers) otherwise", parse="bool")
-    compute_nice: int = _setting(10, "niceness added to each worker's decode and inference threads (Linux), so "
-                                 "the thread that answers HTTP and health checks runs first on saturated cores; "
-                                 "0 = same priority", parse="int", lo=0, hi=19)
+    compute_nice: int = _setting(10, "niceness added to each worker's decode threads, half of it to its inference "
+                                 "thread (Linux): on saturated cores the thread that answers HTTP and health "
+                                 "checks runs first, then the model, then decode; 0 = all alike",
+                                 parse="int", lo=0, hi=19)
     accept_gate: bool = _setting(True, "a busy worker stops accepting connections while a sibling is idle, so "
                                  "concurrent requests spread over the workers", parse="bool")
     max_queue_images: int = _setting(256, "images admitted per worker (queued or running) before 503",

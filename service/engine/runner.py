@@ -57,6 +57,8 @@ class Runner:
         self._infer_pool = ThreadPool(1)  # the worker-local lock: one native thread touches the model
         self._decode_pool = ThreadPool(settings.decode_threads_per_worker())
         self._decode_slots = RankedSlots(self._decode_pool.maxsize)
+        # below the hub (HTTP, health checks) come the model, then decode: see ``lower_priority``
+        self._inference_nice = settings.compute_nice // 2
         self._loader = loader
         self.model: Model | None = model
         self.load_error: BaseException | None = None
@@ -100,7 +102,7 @@ class Runner:
 
     def _load_in_thread(self) -> Model:
         assert self._loader is not None
-        lower_priority(self.settings.compute_nice)  # before torch starts threads: they inherit it
+        lower_priority(self._inference_nice)  # before torch starts its threads: they inherit it
         model = self._loader()
         model.warm_up()
         return model
@@ -205,7 +207,7 @@ class Runner:
 
     def _forward(self, batch: np.ndarray) -> tuple[Any, Any]:
         assert self.model is not None and threading.current_thread() is not threading.main_thread()
-        lower_priority(self.settings.compute_nice)
+        lower_priority(self._inference_nice)
         self._pick_threads()
         return self.model.forward(batch)
 
@@ -299,9 +301,11 @@ _priority = threading.local()
 def lower_priority(nice: int) -> None:
     """Make the calling native thread ``nice`` steps less urgent than the hub thread, once per thread.
 
-    Linux keeps a nice value per thread. Measured at saturation (2 workers, resnet50, 30-photo albums on
-    2 cores): /healthz p99 65-99 ms with compute threads at the hub's priority, 20-33 ms at +10, with
-    the same throughput. Threads that torch starts later inherit the value.
+    Linux keeps a nice value per thread; threads that torch starts later inherit it. Measured at
+    saturation (2 workers, resnet50, 30-photo albums, 2 cores), /healthz p99: 65-99 ms with every thread
+    at the hub's priority, 20-33 ms with decode and inference at +10. But +10 on the inference thread
+    also cost a lone 1-image request ~10 ms (26-38 ms over bare instead of 16-25), so the inference
+    thread gets half the step (decode +10, inference +5: p99 31 ms, 19 ms over bare).
     """
     if not nice or getattr(_priority, "nice", None) is not None or not sys.platform.startswith("linux"):
         return
