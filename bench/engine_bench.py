@@ -8,7 +8,7 @@
 - batching: 32 concurrent clients of 1 image each (the same small photo) (k6, open loop capped at 32 in flight): images/s with
   micro-batching across requests vs one request per forward;
 - borrow: one 30-photo request alone (N=1): 2 workers borrowing idle cores (default) vs 2 workers on their
-  share, vs the bare pipeline as 1 process x 2 threads;
+  share vs 1 worker x 2 threads, and the bare pipeline as 1 process x 2 threads;
 - balance: pairs of simultaneous 30-photo requests on 2 workers, with and without the accept gate: how
   often both land on the same worker, and their latency;
 - overload: 30-photo requests arriving at 2x the measured capacity: how fast the excess gets 503 +
@@ -111,14 +111,26 @@ def batching(model: str, weights: Path, host: ImageHost, cores: int) -> dict[str
     return rows
 
 
-def borrow(model: str, weights: Path, album_dir: Path, names: list[str], host: ImageHost, cores: int) -> dict[str, Any]:
-    b = bare.measure(model, weights, album_dir, processes=1, threads=cores, reps=2)
+def borrow(model: str, weights: Path, album_dir: Path, names: list[str], host: ImageHost, cores: int,
+           reps: int = 3) -> dict[str, Any]:
+    """A lone 30-photo request (median of ``reps`` one after another) on the default layout (one worker per
+    core, borrowing idle cores), without borrowing, and on one worker with every core; and the bare
+    pipeline as 1 process x all threads."""
+    b = bare.measure(model, weights, album_dir, processes=1, threads=cores, reps=reps)
     rows: dict[str, Any] = {"bare 1x%d s" % cores: b["seconds_per_batch"]}
-    for label, extra in (("borrowing (default)", {}), ("share only", {"GREENSERVE_BORROW_IDLE_CORES": "false"})):
-        with GunicornServer(server_env(model, weights, host, **extra), workers=cores) as srv:
-            r = run_closed(srv.url, names, 1)
-            r2 = run_closed(srv.url, names, 1)
-        rows[label + " s"] = round(min(r.latency.mean, r2.latency.mean) / 1000, 3) if r.latency and r2.latency else None
+    layouts = ((f"greenserve {cores}x1 borrowing (default)", cores, {}),
+               (f"greenserve {cores}x1 share only", cores, {"GREENSERVE_BORROW_IDLE_CORES": "false"}),
+               (f"greenserve 1x{cores}", 1, {"GREENSERVE_TORCH_THREADS": str(cores)}))
+    for label, workers, extra in layouts:
+        with GunicornServer(server_env(model, weights, host, **extra), workers=workers) as srv:
+            session = requests.Session()
+            session.post(srv.url + "/v1/embeddings", json={"images": names[:4]}, timeout=300).raise_for_status()
+            times = []
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                session.post(srv.url + "/v1/embeddings", json={"images": names}, timeout=300).raise_for_status()
+                times.append(time.perf_counter() - t0)
+        rows[label + " s"] = round(statistics.median(times), 3)
     return rows
 
 
@@ -155,14 +167,16 @@ def overload(model: str, weights: Path, names: list[str], host: ImageHost, cores
         cap = run_open(srv.url, names, rate_per_min=600, duration_s=30, max_inflight=cores * 2)
         capacity_rps = cap.images_per_s / len(names)
         rate = 2 * capacity_rps
-        results: list[tuple[int, float, str | None]] = []
+        results: list[tuple[int, float, str | None, float]] = []
         lock = threading.Lock()
 
         def one() -> None:
             t0 = time.perf_counter()
             r = requests.post(srv.url + "/v1/embeddings", json={"images": names}, timeout=300)
+            elapsed = time.perf_counter() - t0
+            app = float(r.headers.get("Server-Timing", "app;dur=nan").partition("dur=")[2])
             with lock:
-                results.append((r.status_code, time.perf_counter() - t0, r.headers.get("Retry-After")))
+                results.append((r.status_code, elapsed, r.headers.get("Retry-After"), app))
 
         threads = []
         start = time.perf_counter()
@@ -174,14 +188,16 @@ def overload(model: str, weights: Path, names: list[str], host: ImageHost, cores
             threads[-1].start()
         for t in threads:
             t.join(300)
-    ok = sorted(s for code, s, _ in results if code == 200)
-    refused = sorted(s for code, s, _ in results if code == 503)
-    other = [code for code, _, _ in results if code not in (200, 503)]
+    ok = sorted(s for code, s, _, _ in results if code == 200)
+    refused = sorted(s for code, s, _, _ in results if code == 503)
+    refused_app = sorted(app for code, _, _, app in results if code == 503)
+    other = [code for code, _, _, _ in results if code not in (200, 503)]
     return {"capacity_img_s": cap.images_per_s, "at_capacity_mean_s": round((cap.latency.mean if cap.latency else 0) / 1000, 2),
             "offered_req_s": round(rate, 2), "sent": len(results), "ok": len(ok), "refused_503": len(refused),
-            "other_status": other, "retry_after_present": all(ra for c, _, ra in results if c == 503),
+            "other_status": other, "retry_after_present": all(ra for c, _, ra, _ in results if c == 503),
             "refusal_p50_ms": round(refused[len(refused) // 2] * 1000, 1) if refused else None,
             "refusal_max_ms": round(refused[-1] * 1000, 1) if refused else None,
+            "refusal_server_max_ms": round(refused_app[-1], 1) if refused_app else None,
             "admitted_mean_s": round(statistics.mean(ok), 2) if ok else None}
 
 
