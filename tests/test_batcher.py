@@ -153,18 +153,23 @@ def test_images_still_upstream_are_waited_for_up_to_max_wait() -> None:
     b.stop()
 
 
-def test_gathering_batch_waits_past_max_wait_while_images_keep_arriving() -> None:
-    """A lone worker's batch: images arriving 50 ms apart (10x max_wait) still go as one forward."""
+class Request:
+    def __init__(self, upstream: int) -> None:
+        self.upstream = upstream
+
+
+def test_gathering_batch_waits_past_max_wait_while_its_images_keep_arriving() -> None:
+    """A lone worker's batch: a request's images arriving 20 ms apart (4x max_wait) go as one forward."""
     fwd = Forward(delay_s=0)
-    upstream = [6]
-    b = make(fwd, max_wait_s=0.005, upstream=lambda: upstream[0], gather=lambda: True)
+    request = Request(upstream=6)
+    b = make(fwd, max_wait_s=0.005, upstream=lambda: request.upstream, gather=lambda: True)
 
     def feed() -> list:
         results = []
         for i in range(6):
-            upstream[0] -= 1
-            results.append(b.submit(pixel(i), group="r"))
-            gevent.sleep(0.05)
+            request.upstream -= 1
+            results.append(b.submit(pixel(i), group=request))
+            gevent.sleep(0.02)
         return results
 
     results = gevent.spawn(feed).get()
@@ -177,15 +182,29 @@ def test_gathering_batch_goes_when_arrivals_stall() -> None:
     fwd = Forward(delay_s=0)
     b = make(fwd, max_wait_s=0.005, upstream=lambda: 1, gather=lambda: True)  # one image never comes
     t0 = time.monotonic()
-    assert b.submit(pixel(4)).get(timeout=2).features[0] == 4
+    assert b.submit(pixel(4), group=Request(upstream=1)).get(timeout=2).features[0] == 4
     waited = time.monotonic() - t0
-    assert 0.1 < waited < 1.5, f"a stalled gather should wait about GATHER_GAP_S, waited {waited:.3f}s"
+    assert 0.03 < waited < 1.0, f"a stalled gather should wait about GATHER_GAP_S, waited {waited:.3f}s"
     b.stop()
 
 
-class Request:
-    def __init__(self, upstream: int) -> None:
-        self.upstream = upstream
+def test_a_stream_of_small_requests_is_not_held_back_by_gathering() -> None:
+    """Only a batch whose own request has images on their way gathers: one-image requests arriving
+    every 20 ms while others are always upstream each go after max_wait, not in one late batch."""
+    fwd = Forward(delay_s=0)
+    b = make(fwd, max_wait_s=0.005, upstream=lambda: 1, gather=lambda: True)
+
+    def feed() -> list:
+        results = []
+        for i in range(5):
+            results.append(b.submit(pixel(i), group=Request(upstream=0)))
+            gevent.sleep(0.02)
+        return results
+
+    results = gevent.spawn(feed).get()
+    assert [r.get(timeout=2).features[0] for r in results] == list(range(5))
+    assert max(fwd.sizes) <= 2, f"small requests were gathered into late batches: {fwd.sizes}"
+    b.stop()
 
 
 def test_a_request_with_images_on_their_way_gets_batches_of_its_own() -> None:
@@ -202,3 +221,27 @@ def test_a_request_with_images_on_their_way_gets_batches_of_its_own() -> None:
     mixed = [b.submit(pixel(3), group=a, arrived=1.0), b.submit(pixel(20), group=later, arrived=2.0)]
     assert [r.get(timeout=2).batch_size for r in mixed] == [2, 2]
     b.stop()
+
+
+def test_while_decode_is_busy_a_gathering_batch_waits_out_longer_gaps() -> None:
+    """Big photos decode slower than the gap: while the worker's decode threads are busy, the batch
+    waits for its request's next image however long it takes; with decode idle it would have gone."""
+    from service.engine.batcher import GATHER_WHILE_DECODING
+
+    for gather, expected in ((GATHER_WHILE_DECODING, [3]), (1, [1, 1, 1])):
+        fwd = Forward(delay_s=0)
+        request = Request(upstream=3)
+        b = make(fwd, max_wait_s=0.005, upstream=lambda: request.upstream, gather=lambda: gather)
+
+        def feed() -> list:
+            results = []
+            for i in range(3):
+                request.upstream -= 1
+                results.append(b.submit(pixel(i), group=request))
+                gevent.sleep(0.12)
+            return results
+
+        results = gevent.spawn(feed).get()
+        assert [r.get(timeout=2).features[0] for r in results] == [0, 1, 2]
+        assert fwd.sizes == expected, (gather, fwd.sizes)
+        b.stop()

@@ -27,7 +27,8 @@ log = logging.getLogger(__name__)
 
 # Forward function: a uint8 (N, H, W, 3) batch → (features or None, logits), row i for image i.
 RunBatch = Callable[[np.ndarray], tuple]
-GATHER_GAP_S = 0.2  # a gathering batch goes once no image has arrived for this long
+GATHER_GAP_S = 0.05  # with decode idle, a gathering batch goes once no image has arrived for this long
+GATHER_WHILE_DECODING = 2  # what ``gather`` returns while the worker's decode threads are busy
 
 
 @dataclass(frozen=True)
@@ -74,7 +75,7 @@ class BatchStats:
 class Batcher:
     def __init__(self, run_batch: RunBatch, pool: ThreadPool, *, max_batch: int, max_wait_s: float,
                  across_requests: bool = True, upstream: Callable[[], int] | None = None,
-                 gather: Callable[[], bool] | None = None) -> None:
+                 gather: Callable[[], int] | None = None) -> None:
         self._run_batch = run_batch
         self._pool = pool
         self.max_batch = max_batch
@@ -84,9 +85,11 @@ class Batcher:
         # images admitted but still being fetched or decoded: when there are none, a non-full batch goes
         # at once instead of waiting max_wait_s for images that cannot come
         self._upstream = upstream
-        # true while the forward would run on every core (a lone worker): then a batch keeps gathering as
-        # long as images keep arriving (gaps under GATHER_GAP_S), so decode and torch do not fight for the
-        # cores and one big forward runs after decode instead of small ones stalled by it
+        # truthy while the forward would run on every core (a lone worker): then a batch whose request
+        # still has images on their way keeps gathering them, as long as decode is busy
+        # (GATHER_WHILE_DECODING) or they keep coming (gaps under GATHER_GAP_S), so decode and torch do
+        # not fight for the cores and one big forward runs after decode instead of small ones stalled
+        # by it. Images that trickle in from a slow host (decode idle, longer gaps) are not held back.
         self._gather = gather
         self._last_submit = 0.0
         # Images are served in the order their *requests* arrived, not the order their bytes did:
@@ -151,8 +154,12 @@ class Batcher:
                 break
             now = time.monotonic()
             remaining = until - now
-            if self._gather is not None and self._gather():
-                remaining = max(remaining, self._last_submit + GATHER_GAP_S - now)
+            if self._gather is not None and getattr(first.group, "upstream", 0) > 0:
+                gather = self._gather()
+                if gather is GATHER_WHILE_DECODING:  # its next image is being decoded: wait for it
+                    remaining = max(remaining, GATHER_GAP_S)
+                elif gather:  # decode idle for now (the fetch is behind): bridge short gaps only
+                    remaining = max(remaining, self._last_submit + GATHER_GAP_S - now)
             if remaining <= 0:
                 break
             self._arrived.clear()

@@ -27,7 +27,7 @@ from gevent.event import AsyncResult, Event
 from gevent.threadpool import ThreadPool
 
 from service import metrics, worker
-from service.engine.batcher import Batcher
+from service.engine.batcher import GATHER_WHILE_DECODING, Batcher
 from service.engine.model import ModelInfo
 from service.engine.transform import Transform
 from service.errors import GreenserveError, Overloaded
@@ -68,11 +68,12 @@ class Runner:
         self._cores = cores or len(os.sched_getaffinity(0))
         self._threads_now = 0
         self._upstream = 0  # admitted images not yet at the batcher (being fetched or decoded)
+        self._offloaded = 0  # tasks waiting for or running in the decode pool
         self._gate: gevent.Greenlet | None = None
         self.batcher = Batcher(self._forward, self._infer_pool, max_batch=settings.max_batch,
                                max_wait_s=settings.max_batch_wait_ms / 1000,
                                across_requests=settings.batch_across_requests,
-                               upstream=lambda: self._upstream, gather=self._all_cores)
+                               upstream=lambda: self._upstream, gather=self._gathering)
         self.batcher.stats.on_batch = metrics.observe_batch
         if model is not None:
             self._ready.set()
@@ -195,8 +196,12 @@ class Runner:
         ``GreenserveError``s (a bad image, say) are carried back and raised here, in the greenlet;
         gevent would otherwise print each one as a crashed task.
         """
-        with self._decode_slots.take((float("-inf"), 0) if rank is None else rank):
-            outcome = self._decode_pool.apply(_capture_expected, (self.settings.compute_nice, fn, args))
+        self._offloaded += 1
+        try:
+            with self._decode_slots.take((float("-inf"), 0) if rank is None else rank):
+                outcome = self._decode_pool.apply(_capture_expected, (self.settings.compute_nice, fn, args))
+        finally:
+            self._offloaded -= 1
         if isinstance(outcome, _Raised):
             raise outcome.error
         return outcome
@@ -228,12 +233,16 @@ class Runner:
         board = worker.board()
         return board is not None and board.siblings(worker.slot())[0] == 0
 
-    def _all_cores(self) -> bool:
-        """Whether this worker's next forward runs on every core (see ``_pick_threads``)."""
+    def _gathering(self) -> int:
+        """Whether a batch should keep gathering its request's images (see ``Batcher``): 0 unless this
+        worker's next forward runs on every core (see ``_pick_threads``); ``GATHER_WHILE_DECODING`` while
+        its decode threads are busy too (a forward now would stall them and be stalled)."""
         if self.settings.torch_threads:
-            return self.settings.torch_threads >= self._cores
-        return self.settings.torch_threads_per_worker(self._cores) >= self._cores or (
-            self.settings.borrow_idle_cores and self.alone())
+            all_cores = self.settings.torch_threads >= self._cores
+        else:
+            all_cores = self.settings.torch_threads_per_worker(self._cores) >= self._cores or (
+                self.settings.borrow_idle_cores and self.alone())
+        return 0 if not all_cores else GATHER_WHILE_DECODING if self._offloaded else 1
 
 
 class Admission:
