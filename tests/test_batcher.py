@@ -158,21 +158,26 @@ class Request:
         self.upstream = upstream
 
 
+def feed_one_request(b: Batcher, request: Request, n: int, gap_s: float) -> list:
+    """Submit ``n`` images of ``request`` ``gap_s`` apart, settling each from its ``upstream`` as it goes."""
+
+    def feed() -> list:
+        results = []
+        for i in range(n):
+            request.upstream -= 1
+            results.append(b.submit(pixel(i), group=request))
+            gevent.sleep(gap_s)
+        return results
+
+    return gevent.spawn(feed).get()
+
+
 def test_gathering_batch_waits_past_max_wait_while_its_images_keep_arriving() -> None:
     """A lone worker's batch: a request's images arriving 20 ms apart (4x max_wait) go as one forward."""
     fwd = Forward(delay_s=0)
     request = Request(upstream=6)
     b = make(fwd, max_wait_s=0.005, upstream=lambda: request.upstream, gather=lambda: True)
-
-    def feed() -> list:
-        results = []
-        for i in range(6):
-            request.upstream -= 1
-            results.append(b.submit(pixel(i), group=request))
-            gevent.sleep(0.02)
-        return results
-
-    results = gevent.spawn(feed).get()
+    results = feed_one_request(b, request, 6, 0.02)
     assert [r.get(timeout=2).features[0] for r in results] == list(range(6))
     assert fwd.sizes == [6]
     b.stop()
@@ -232,16 +237,7 @@ def test_while_decode_is_busy_a_gathering_batch_waits_out_longer_gaps() -> None:
         fwd = Forward(delay_s=0)
         request = Request(upstream=3)
         b = make(fwd, max_wait_s=0.005, upstream=lambda: request.upstream, gather=lambda: gather)
-
-        def feed() -> list:
-            results = []
-            for i in range(3):
-                request.upstream -= 1
-                results.append(b.submit(pixel(i), group=request))
-                gevent.sleep(0.12)
-            return results
-
-        results = gevent.spawn(feed).get()
+        results = feed_one_request(b, request, 3, 0.12)
         assert [r.get(timeout=2).features[0] for r in results] == [0, 1, 2]
         assert fwd.sizes == expected, (gather, fwd.sizes)
         b.stop()

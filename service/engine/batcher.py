@@ -156,7 +156,7 @@ class Batcher:
             remaining = until - now
             if self._gather is not None and getattr(first.group, "upstream", 0) > 0:
                 gather = self._gather()
-                if gather is GATHER_WHILE_DECODING:  # its next image is being decoded: wait for it
+                if gather == GATHER_WHILE_DECODING:  # its next image is being decoded: wait for it
                     remaining = max(remaining, GATHER_GAP_S)
                 elif gather:  # decode idle for now (the fetch is behind): bridge short gaps only
                     remaining = max(remaining, self._last_submit + GATHER_GAP_S - now)

@@ -221,28 +221,32 @@ class Runner:
         set_threads = getattr(self.model, "set_threads", None)
         if set_threads is None or self.settings.torch_threads or not self.settings.borrow_idle_cores:
             return
-        share = self.settings.torch_threads_per_worker(self._cores)
-        wanted = self._cores if self.alone() else share
+        wanted = self._forward_threads()
         if wanted != self._threads_now:
             log.debug("torch threads %d -> %d", self._threads_now, wanted)
             set_threads(wanted)
             self._threads_now = wanted
 
-    def alone(self) -> bool:
+    def _forward_threads(self) -> int:
+        """The torch threads of this worker's next forward: pinned (``GREENSERVE_TORCH_THREADS``), else
+        every core while borrowing and no sibling is busy, else its share of the cores."""
+        share = self.settings.torch_threads_per_worker(self._cores)
+        if self.settings.torch_threads or not self.settings.borrow_idle_cores:
+            return share
+        return self._cores if self._alone() else share
+
+    def _alone(self) -> bool:
         """No sibling worker is busy (false outside gunicorn, where there is no load board)."""
         board = worker.board()
         return board is not None and board.siblings(worker.slot())[0] == 0
 
     def _gathering(self) -> int:
         """Whether a batch should keep gathering its request's images (see ``Batcher``): 0 unless this
-        worker's next forward runs on every core (see ``_pick_threads``); ``GATHER_WHILE_DECODING`` while
-        its decode threads are busy too (a forward now would stall them and be stalled)."""
-        if self.settings.torch_threads:
-            all_cores = self.settings.torch_threads >= self._cores
-        else:
-            all_cores = self.settings.torch_threads_per_worker(self._cores) >= self._cores or (
-                self.settings.borrow_idle_cores and self.alone())
-        return 0 if not all_cores else GATHER_WHILE_DECODING if self._offloaded else 1
+        worker's next forward runs on every core; ``GATHER_WHILE_DECODING`` while its decode threads are
+        busy too (a forward now would stall them and be stalled)."""
+        if self._forward_threads() < self._cores:
+            return 0
+        return GATHER_WHILE_DECODING if self._offloaded else 1
 
 
 class Admission:
