@@ -10,6 +10,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -99,3 +100,16 @@ def test_execstart_notifies_ready_then_stopping(tmp_path: Path, weights_file: Pa
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
+
+
+@pytest.mark.parametrize(("given", "expected"), [(None, "30000"), ("300000", "300000")])
+def test_config_caps_openmp_spinning_unless_the_operator_set_it(given: str | None, expected: str) -> None:
+    """gunicorn.conf.py runs in the master before fork: workers' libgomp reads GOMP_SPINCOUNT from it."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GREENSERVE_") and k != "GOMP_SPINCOUNT"}
+    if given is not None:
+        env["GOMP_SPINCOUNT"] = given
+    code = "import os, runpy; runpy.run_path('gunicorn.conf.py'); print(os.environ['GOMP_SPINCOUNT'])"
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == expected
