@@ -1,4 +1,4 @@
-"""The runner's own parts: ranked decode slots, and the nice value of compute threads."""
+"""The runner's own parts: ranked decode slots, the decode lookahead, and the nice value of compute threads."""
 
 from __future__ import annotations
 
@@ -7,9 +7,12 @@ import sys
 import threading
 
 import gevent
+import numpy as np
 import pytest
 
-from service.engine.runner import RankedSlots, lower_priority
+from service.engine.runner import RankedSlots, Runner, lower_priority
+from service.settings import Settings
+from tests.fakes import FakeModel
 
 
 def test_waiters_get_slots_in_rank_order_not_arrival_order() -> None:
@@ -49,6 +52,52 @@ def test_a_killed_waiter_gives_up_its_place_and_no_slot_is_lost() -> None:
     with gevent.Timeout(1):  # the slot came back
         with slots.take((0.0, 0)):
             pass
+
+
+def test_a_rank_held_back_by_ready_waits_for_recheck_and_earlier_ranks_pass_it() -> None:
+    limit = [3.0]  # ranks from this arrival on are held back
+    slots = RankedSlots(2, ready=lambda rank: rank[0] < limit[0])
+    order: list[str] = []
+
+    def task(name: str, rank: tuple[float, int]) -> None:
+        with slots.take(rank):
+            order.append(name)
+
+    late = gevent.spawn(task, "late", (5.0, 0))
+    gevent.sleep(0.02)
+    assert order == []  # two slots free, still held back
+    early = gevent.spawn(task, "early", (1.0, 0))
+    gevent.joinall([early], timeout=1)
+    assert order == ["early"]  # came after, was not held back, went past
+    limit[0] = 10.0
+    slots.recheck()
+    gevent.joinall([late], raise_error=True, timeout=1)
+    assert order == ["early", "late"]
+
+
+def test_a_later_requests_decode_waits_while_the_model_has_enough_earlier_images() -> None:
+    """Two decode threads: with two of request 1's images queued for the model, request 2's images wait
+    to decode (request 1's own do not) until a batch takes request 1's images."""
+    settings = Settings.from_env({"GREENSERVE_DECODE_THREADS": "2", "GREENSERVE_MAX_BATCH_WAIT_MS": "0"})
+    runner = Runner(settings, model=FakeModel(), cores=2)
+    pixels = np.zeros((32, 32, 3), np.uint8)
+    rows = [runner.infer(pixels, arrived=1.0) for _ in range(2)]  # request 1's, the batcher not started
+    decoded: list[str] = []
+
+    def decode(name: str, rank: tuple[float, int]) -> None:
+        runner.offload(decoded.append, name, rank=rank)
+
+    later = gevent.spawn(decode, "request 2, image 0", (2.0, 0))
+    own = gevent.spawn(decode, "request 1, image 2", (1.0, 2))
+    gevent.joinall([own], raise_error=True, timeout=2)
+    gevent.sleep(0.05)
+    assert decoded == ["request 1, image 2"]
+    runner.batcher.start()  # the model takes request 1's images
+    try:
+        gevent.joinall([later, *rows], raise_error=True, timeout=2)
+        assert decoded == ["request 1, image 2", "request 2, image 0"]
+    finally:
+        runner.batcher.stop()
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a nice value per thread is Linux")

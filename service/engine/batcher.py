@@ -75,7 +75,7 @@ class BatchStats:
 class Batcher:
     def __init__(self, run_batch: RunBatch, pool: ThreadPool, *, max_batch: int, max_wait_s: float,
                  across_requests: bool = True, upstream: Callable[[], int] | None = None,
-                 gather: Callable[[], int] | None = None) -> None:
+                 gather: Callable[[], int] | None = None, on_take: Callable[[], None] | None = None) -> None:
         self._run_batch = run_batch
         self._pool = pool
         self.max_batch = max_batch
@@ -91,6 +91,8 @@ class Batcher:
         # not fight for the cores and one big forward runs after decode instead of small ones stalled
         # by it. Images that trickle in from a slow host (decode idle, longer gaps) are not held back.
         self._gather = gather
+        self._on_take = on_take  # called when images leave the queue for a batch (the runner's decode
+        # lookahead waits on ``queued_before``)
         self._last_submit = 0.0
         # Images are served in the order their *requests* arrived, not the order their bytes did:
         # concurrent requests' images arrive interleaved (fetches overlap), and serving them in that
@@ -105,6 +107,10 @@ class Batcher:
     @property
     def queued(self) -> int:
         return len(self._items)
+
+    def queued_before(self, arrived: float) -> int:
+        """Queued images of requests that arrived before ``arrived``."""
+        return sum(1 for rank, _ in self._items if rank[0] < arrived)
 
     def start(self) -> None:
         if self._loop is None:
@@ -142,13 +148,13 @@ class Batcher:
         while not self._items:
             self._arrived.clear()
             self._arrived.wait()
-        first = heapq.heappop(self._items)[1]
+        first = self._take(heapq.heappop(self._items)[1])
         batch = [first]
         until = time.monotonic() + self.max_wait_s
         while len(batch) < self.max_batch:
             item = self._pop(first.group if self._exclusive(first.group) else None)
             if item is not None:
-                batch.append(item)
+                batch.append(self._take(item))
                 continue
             if self._upstream is not None and self._upstream() <= 0:
                 break
@@ -165,6 +171,11 @@ class Batcher:
             self._arrived.clear()
             self._arrived.wait(remaining)
         return batch
+
+    def _take(self, item: _Item) -> _Item:
+        if self._on_take is not None:
+            self._on_take()
+        return item
 
     def _exclusive(self, group: object) -> bool:
         """Whether a batch led by ``group``'s image may only hold that group's images.

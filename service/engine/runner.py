@@ -56,7 +56,7 @@ class Runner:
         self.settings = settings
         self._infer_pool = ThreadPool(1)  # the worker-local lock: one native thread touches the model
         self._decode_pool = ThreadPool(settings.decode_threads_per_worker())
-        self._decode_slots = RankedSlots(self._decode_pool.maxsize)
+        self._decode_slots = RankedSlots(self._decode_pool.maxsize, ready=self._may_decode)
         # below the hub (HTTP, health checks) come the model, then decode: see ``lower_priority``
         self._inference_nice = settings.compute_nice // 2
         self._loader = loader
@@ -73,7 +73,8 @@ class Runner:
         self.batcher = Batcher(self._forward, self._infer_pool, max_batch=settings.max_batch,
                                max_wait_s=settings.max_batch_wait_ms / 1000,
                                across_requests=settings.batch_across_requests,
-                               upstream=lambda: self._upstream, gather=self._gathering)
+                               upstream=lambda: self._upstream, gather=self._gathering,
+                               on_take=self._decode_slots.recheck)
         self.batcher.stats.on_batch = metrics.observe_batch
         if model is not None:
             self._ready.set()
@@ -206,6 +207,20 @@ class Runner:
             raise outcome.error
         return outcome
 
+    def _may_decode(self, rank: tuple[float, int]) -> bool:
+        """Whether an image of the request that arrived at ``rank[0]`` may be decoded now: not while the
+        model already has ``decode_threads`` images of earlier requests waiting for it.
+
+        A request's images then reach the model after the earlier requests' images, and decoding them
+        earlier would only take the cores from the forwards of the earlier requests: with every
+        request's decode running at once, all of a worker's requests finish late together, where a
+        queue of requests finishes the first one first. The model does not starve: a batch takes the
+        waiting images at once, and the later request's decode starts while that batch runs. The
+        earliest request is never held back, nor images that trickle in from a slow host (its earlier
+        requests' images are not waiting).
+        """
+        return self.batcher.queued_before(rank[0]) < self._decode_pool.maxsize
+
     def infer(self, pixels: np.ndarray, deadline: float | None = None, group: object = None,
               arrived: float | None = None) -> AsyncResult:
         return self.batcher.submit(pixels, deadline, group, arrived)
@@ -265,40 +280,53 @@ class Admission:
 
 
 class RankedSlots:
-    """At most ``n`` holders at a time; waiting greenlets get a slot in rank order, lowest first."""
+    """At most ``n`` holders at a time; waiting greenlets get a slot in rank order, lowest first.
 
-    def __init__(self, n: int) -> None:
+    ``ready(rank)`` (optional) may hold a rank back even with a slot free; it must be monotonic (if it
+    holds a rank back, it holds back every later rank too). Call ``recheck()`` when its answer may have
+    changed.
+    """
+
+    def __init__(self, n: int, ready: Callable[[tuple[float, int]], bool] | None = None) -> None:
         self._free = n
+        self._ready = ready
         self._waiting: list[list[Any]] = []  # heap of [rank, seq, event, still waiting]
         self._seq = itertools.count()
 
     @contextlib.contextmanager
     def take(self, rank: tuple[float, int]) -> Iterator[None]:
-        if self._free and not self._waiting:
-            self._free -= 1
-        else:
-            entry = [rank, next(self._seq), Event(), True]
-            heapq.heappush(self._waiting, entry)
-            try:
-                entry[2].wait()
-            except BaseException:  # killed (deadline): give up the place, or the slot handed over
-                entry[3] = False
-                if entry[2].is_set():
-                    self._release()
-                raise
+        entry = [rank, next(self._seq), Event(), True]
+        heapq.heappush(self._waiting, entry)
+        self.recheck()
+        try:
+            entry[2].wait()
+        except BaseException:  # killed (deadline): give up the place, or the slot handed over
+            entry[3] = False
+            if entry[2].is_set():
+                self._release()
+            raise
         try:
             yield
         finally:
             self._release()
 
+    def recheck(self) -> None:
+        """Hand free slots to the best waiters that are ready."""
+        while self._free and self._waiting:
+            entry = self._waiting[0]
+            if not entry[3]:  # killed while waiting
+                heapq.heappop(self._waiting)
+                continue
+            if self._ready is not None and not self._ready(entry[0]):
+                return  # held back, and so is every later rank
+            heapq.heappop(self._waiting)
+            entry[3] = False
+            self._free -= 1
+            entry[2].set()
+
     def _release(self) -> None:
-        while self._waiting:
-            entry = heapq.heappop(self._waiting)
-            if entry[3]:
-                entry[3] = False
-                entry[2].set()  # the slot passes straight to the best waiter
-                return
         self._free += 1
+        self.recheck()
 
 
 class _Raised:
