@@ -10,7 +10,7 @@ import gevent
 import numpy as np
 import pytest
 
-from service.engine.runner import RankedSlots, Runner, lower_priority
+from service.engine.runner import Admission, RankedSlots, Runner, lower_priority
 from service.settings import Settings
 from tests.fakes import FakeModel
 
@@ -96,6 +96,38 @@ def test_a_later_requests_decode_waits_while_the_model_has_enough_earlier_images
     try:
         gevent.joinall([later, *rows], raise_error=True, timeout=2)
         assert decoded == ["request 1, image 2", "request 2, image 0"]
+    finally:
+        runner.batcher.stop()
+
+
+def test_a_batch_gathering_a_later_requests_images_goes_when_an_earlier_requests_images_wait() -> None:
+    """One worker on every core gathers: the later request's first image leads a batch that waits for
+    its second, whose decode is held back by the earlier request's waiting images. The batch must go
+    (and the earlier request be served first), not wait for an image that cannot come."""
+    settings = Settings.from_env({"GREENSERVE_WORKERS": "1", "GREENSERVE_DECODE_THREADS": "2"})
+    runner = Runner(settings, model=FakeModel(), cores=2)
+    pixels = np.zeros((32, 32, 3), np.uint8)
+    done: list[str] = []
+
+    def image(admission: Admission, arrived: float, index: int) -> None:
+        crop = runner.offload(pixels.copy, rank=(arrived, index))
+        admission.settle()
+        runner.infer(crop, group=admission, arrived=arrived).get()
+        done.append(f"{arrived:.0f}/{index}")
+
+    runner.batcher.start()
+    try:
+        with runner.admit(2) as later, runner.admit(2) as earlier:
+            first = gevent.spawn(image, later, 2.0, 0)
+            while later.upstream == 2:  # decoded and queued: the collector takes it and gathers
+                gevent.sleep(0.001)
+            gevent.sleep(0.01)
+            rest = [gevent.spawn(image, earlier, 1.0, i) for i in range(2)]
+            gevent.sleep(0.01)
+            rest.append(gevent.spawn(image, later, 2.0, 1))
+            gevent.joinall([first, *rest], raise_error=True, timeout=3)
+        assert sorted(done) == ["1/0", "1/1", "2/0", "2/1"]
+        assert done.index("1/1") < done.index("2/1")
     finally:
         runner.batcher.stop()
 

@@ -158,6 +158,10 @@ class Batcher:
                 continue
             if self._upstream is not None and self._upstream() <= 0:
                 break
+            if self._items and self._items[0][0][0] < first.rank[0]:
+                # an earlier request's image came: it leads the next batch. Waiting on would also risk
+                # waiting for images whose decode is held back behind it (``Runner._may_decode``)
+                break
             now = time.monotonic()
             remaining = until - now
             if self._gather is not None and getattr(first.group, "upstream", 0) > 0:
