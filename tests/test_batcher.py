@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 from gevent.threadpool import ThreadPool
 
-from service.engine.batcher import Batcher
+from service.engine import batcher
+from service.engine.batcher import GATHER_WHILE_DECODING, Batcher
 from service.errors import DeadlineExceeded, InferenceFailed
 
 
@@ -193,6 +194,17 @@ def test_gathering_batch_goes_when_arrivals_stall() -> None:
     b.stop()
 
 
+def test_a_gathering_batch_goes_after_gather_max_s_however_busy_decode_is(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(batcher, "GATHER_MAX_S", 0.2)
+    fwd = Forward(delay_s=0)
+    b = make(fwd, max_wait_s=0.005, upstream=lambda: 1, gather=lambda: GATHER_WHILE_DECODING)
+    t0 = time.monotonic()
+    assert b.submit(pixel(4), group=Request(upstream=1)).get(timeout=3).features[0] == 4
+    waited = time.monotonic() - t0
+    assert 0.15 < waited < 1.5, f"the gathering batch should go after GATHER_MAX_S, waited {waited:.3f}s"
+    b.stop()
+
+
 def test_a_stream_of_small_requests_is_not_held_back_by_gathering() -> None:
     """Only a batch whose own request has images on their way gathers: one-image requests arriving
     every 20 ms while others are always upstream each go after max_wait, not in one late batch."""
@@ -230,9 +242,7 @@ def test_a_request_with_images_on_their_way_gets_batches_of_its_own() -> None:
 
 def test_while_decode_is_busy_a_gathering_batch_waits_out_longer_gaps() -> None:
     """Big photos decode slower than the gap: while the worker's decode threads are busy, the batch
-    waits for its request's next image however long it takes; with decode idle it would have gone."""
-    from service.engine.batcher import GATHER_WHILE_DECODING
-
+    waits for its request's next image (up to GATHER_MAX_S); with decode idle it would have gone."""
     for gather, expected in ((GATHER_WHILE_DECODING, [3]), (1, [1, 1, 1])):
         fwd = Forward(delay_s=0)
         request = Request(upstream=3)

@@ -29,6 +29,7 @@ log = logging.getLogger(__name__)
 RunBatch = Callable[[np.ndarray], tuple]
 GATHER_GAP_S = 0.05  # with decode idle, a gathering batch goes once no image has arrived for this long
 GATHER_WHILE_DECODING = 2  # what ``gather`` returns while the worker's decode threads are busy
+GATHER_MAX_S = 2.0  # a gathering batch goes after this long whatever comes (a bound, not a tuning)
 
 
 @dataclass(frozen=True)
@@ -151,6 +152,7 @@ class Batcher:
         first = self._take(heapq.heappop(self._items)[1])
         batch = [first]
         until = time.monotonic() + self.max_wait_s
+        gather_until = time.monotonic() + GATHER_MAX_S
         while len(batch) < self.max_batch:
             item = self._pop(first.group if self._exclusive(first.group) else None)
             if item is not None:
@@ -170,6 +172,7 @@ class Batcher:
                     remaining = max(remaining, GATHER_GAP_S)
                 elif gather:  # decode idle for now (the fetch is behind): bridge short gaps only
                     remaining = max(remaining, self._last_submit + GATHER_GAP_S - now)
+                remaining = min(remaining, max(until, gather_until) - now)
             if remaining <= 0:
                 break
             self._arrived.clear()
