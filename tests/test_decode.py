@@ -27,6 +27,30 @@ def test_jpeg_decodes_to_rgb() -> None:
     assert img.mode == "RGB" and img.size == (320, 240)
 
 
+def test_the_decoder_gets_the_whole_file_in_one_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each decoder call drops and retakes the GIL: one per photo, not one per 64 KB (the hub waits)."""
+    calls: list[int] = []
+    real = Image._getdecoder
+
+    class Counting:
+        def __init__(self, inner: object) -> None:
+            self.inner = inner
+
+        def decode(self, buffer: bytes) -> tuple[int, int]:
+            calls.append(len(buffer))
+            return self.inner.decode(buffer)  # type: ignore[attr-defined]
+
+        def __getattr__(self, name: str) -> object:
+            return getattr(self.inner, name)
+
+    data = images.jpeg(2000, 1500, seed=3)
+    assert len(data) > 4 * 65536
+    expected = np.asarray(Image.open(io.BytesIO(data)).convert("RGB"))
+    monkeypatch.setattr(Image, "_getdecoder", lambda *a, **kw: Counting(real(*a, **kw)))
+    assert np.array_equal(np.asarray(decode(data)), expected)
+    assert len(calls) == 1, f"{len(calls)} decoder calls"
+
+
 def test_draft_mode_decodes_big_jpeg_at_reduced_scale_but_covers_target() -> None:
     img = decode(images.jpeg(4000, 3000), draft_size=256)
     assert img.size == (500, 375)  # libjpeg 1/8 scale: still >= 256 on the short side

@@ -54,6 +54,10 @@ def decode_image(data: bytes, *, max_pixels: int, draft_size: int | None = None)
                             "GREENSERVE_MAX_IMAGE_PIXELS to raise it")
     if draft_size and img.format in ("JPEG", "MPO"):
         img.draft("RGB", (draft_size, draft_size))
+    # Hand the decoder all the bytes in one call instead of Pillow's 64 KB blocks: it drops the GIL
+    # for each call, and taking it back ~50 times per phone photo is what made decode threads get in
+    # the hub's way (the hub waited for the GIL for 27 ms per photo, against 0.3 ms in one call).
+    img.decodermaxblock = max(img.decodermaxblock, len(data))
     try:
         img.load()
     except (OSError, SyntaxError, ValueError, EOFError) as exc:
