@@ -132,6 +132,29 @@ def test_a_batch_gathering_a_later_requests_images_goes_when_an_earlier_requests
         runner.batcher.stop()
 
 
+def test_a_later_request_fetches_once_earlier_requests_have_few_images_on_their_way() -> None:
+    settings = Settings.from_env({"GREENSERVE_FETCH_CONCURRENCY": "2"})
+    runner = Runner(settings, model=FakeModel(), cores=2)
+    with runner.admit(5, arrived=1.0) as early:
+        with gevent.Timeout(1):
+            runner.wait_to_fetch(early)  # the earliest request never waits
+        with runner.admit(3, arrived=2.0) as late:
+            waiter = gevent.spawn(runner.wait_to_fetch, late)
+            gevent.sleep(0.01)
+            early.settle(2)  # 3 of the earlier request's images still on their way: more than 2
+            gevent.sleep(0.01)
+            assert not waiter.dead
+            early.settle()
+            waiter.join(timeout=1)
+            assert waiter.successful()
+            with runner.admit(1, arrived=3.0) as last:
+                waiter = gevent.spawn(runner.wait_to_fetch, last)  # 2 + 3 still on their way
+                gevent.sleep(0.01)
+                assert not waiter.dead
+        waiter.join(timeout=1)  # the middle request ended (its images failed or were served)
+        assert waiter.successful()
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a nice value per thread is Linux")
 def test_lower_priority_lowers_only_the_calling_thread_and_only_once() -> None:
     seen: dict[str, int] = {}

@@ -3,6 +3,7 @@
     Runner.start()     load + warm up the model in the inference thread (after fork; CUDA only there)
     Runner.request()   count an inference request in progress (the load siblings see on the board)
     Runner.admit(n)    reserve n image slots or raise Overloaded (503 + Retry-After) before any work
+    Runner.wait_to_fetch(a)  hold a request's fetches while earlier requests have enough images on the way
     Runner.offload()   run CPU work (decode, preprocess, big JSON) in the decode pool, not on the hub
     Runner.infer()     queue one image for the batcher; wait on the returned result cooperatively
 
@@ -19,6 +20,7 @@ import logging
 import os
 import sys
 import threading
+import time
 from typing import Any, Callable, Iterator, Protocol, TypeVar
 
 import gevent
@@ -68,6 +70,8 @@ class Runner:
         self._cores = cores or len(os.sched_getaffinity(0))
         self._threads_now = 0
         self._upstream = 0  # admitted images not yet at the batcher (being fetched or decoded)
+        self._admissions: list[Admission] = []  # requests admitted and not finished, in arrival order
+        self._settling = Event()  # set (and replaced) whenever upstream images settle or a request ends
         self._offloaded = 0  # tasks waiting for or running in the decode pool
         self._gate: gevent.Greenlet | None = None
         self.batcher = Batcher(self._forward, self._infer_pool, max_batch=settings.max_batch,
@@ -137,8 +141,9 @@ class Runner:
             self._publish_load()
 
     @contextlib.contextmanager
-    def admit(self, n_images: int) -> Iterator[Admission]:
-        """Reserve ``n_images`` of this worker's queue, or refuse at once with 503 + Retry-After."""
+    def admit(self, n_images: int, arrived: float | None = None) -> Iterator[Admission]:
+        """Reserve ``n_images`` of this worker's queue, or refuse at once with 503 + Retry-After.
+        ``arrived`` (monotonic, default now) places the request among the worker's others."""
         if not self.ready:
             metrics.OVERLOADED.labels("not_ready").inc()
             raise Overloaded("the model is still loading on this worker; retry shortly",
@@ -150,14 +155,16 @@ class Runner:
             raise Overloaded(f"this worker has {self._admitted} image(s) queued or running (limit {limit}); "
                              f"retry after ~{wait:.1f}s or spread load over more workers/replicas",
                              retry_after_s=wait)
-        admission = Admission(self, n_images)
+        admission = Admission(self, n_images, time.monotonic() if arrived is None else arrived)
         self._admitted += n_images
         self._upstream += n_images
+        self._admissions.append(admission)
         metrics.QUEUE_IMAGES.inc(n_images)
         try:
             yield admission
         finally:
             self._admitted -= n_images
+            self._admissions.remove(admission)
             self._settled(admission.upstream)
             metrics.QUEUE_IMAGES.dec(n_images)
 
@@ -165,6 +172,23 @@ class Runner:
         self._upstream -= n
         if n and not self._upstream:
             self.batcher.wake()  # a batch waiting for more images need not wait any longer
+        settling, self._settling = self._settling, Event()
+        settling.set()
+
+    def wait_to_fetch(self, admission: Admission) -> None:
+        """Wait (cooperatively) until this worker's earlier requests have at most ``fetch_concurrency``
+        images still to fetch or decode, then let ``admission``'s request fetch its images.
+
+        A worker serves its requests in arrival order (``_may_decode``), so a later request's images
+        are only needed when the earlier ones are nearly decoded. Fetching them all at once held every
+        queued request's bytes in memory (8 albums on 2 workers: 733 MB) and kept the hub reading
+        them when it should answer. The earliest request never waits, and the next one starts fetching
+        while the model still has the earlier requests' forwards to run, which hides the image hosts'
+        latency.
+        """
+        ahead = self.settings.fetch_concurrency
+        while sum(a.upstream for a in self._admissions if a.arrived < admission.arrived) > ahead:
+            self._settling.wait()
 
     def _publish_load(self) -> None:
         board = worker.board()
@@ -267,11 +291,12 @@ class Runner:
 class Admission:
     """A request's reserved images; ``upstream`` of them are still being fetched or decoded."""
 
-    __slots__ = ("upstream", "_runner")
+    __slots__ = ("upstream", "arrived", "_runner")
 
-    def __init__(self, runner: Runner, n_images: int) -> None:
+    def __init__(self, runner: Runner, n_images: int, arrived: float) -> None:
         self._runner = runner
         self.upstream = n_images
+        self.arrived = arrived
 
     def settle(self, n: int = 1) -> None:
         """``n`` of the request's images reached the batcher, or failed on the way."""

@@ -67,7 +67,7 @@ class Orchestrator:
         """The response body (without ``model``/``request_id``) for ``req``; raises request-level errors."""
         spans = _Spans()
         outcomes: dict[int, Row | ImageError] = {r.index: r.error for r in req.refs if r.error is not None}
-        with self.runner.admit(len(req.refs)) as admission:
+        with self.runner.admit(len(req.refs), arrived=spans.started) as admission:
             admission.settle(len(outcomes))  # refused at parsing: they never come
             timeout = gevent.Timeout(max(0.0, deadline - time.monotonic()),
                                      DeadlineExceeded("the request deadline passed; retry with fewer images or "
@@ -85,6 +85,7 @@ class Orchestrator:
                     group.spawn(self._image, ref, ref.data, admission, spans, outcomes, deadline)
             remote = [r for r in req.refs if r.url is not None and r.error is None]
             if remote:
+                self.runner.wait_to_fetch(admission)
                 fetch_start = time.monotonic()
                 for i, result in self.fetcher.fetch_many([r.url for r in remote], deadline=deadline,
                                                          request_id=request_id):
