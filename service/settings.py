@@ -61,7 +61,9 @@ class Settings:
     fetch_allow: tuple[str, ...] = _setting(
         (), "comma-separated origins (http://10.0.0.5:9000) and/or CIDRs the fetcher may reach even "
         "though they are not public", parse="list", factory=tuple)
-    fetch_concurrency: int = _setting(16, "concurrent fetches per request", parse="int", lo=1, hi=256)
+    fetch_concurrency: int = _setting(16, "concurrent fetches per request; a request starts fetching once the "
+                                      "worker's earlier requests have at most this many images on their way",
+                                      parse="int", lo=1, hi=256)
     fetch_worker_concurrency: int = _setting(64, "concurrent fetches per worker, all its requests together "
                                              "(also the idle keep-alive connections kept per host)",
                                              parse="int", lo=1, hi=4096)
