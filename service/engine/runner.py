@@ -1,11 +1,12 @@
 """What one worker owns: the model, its one inference thread, the decode threads, the batcher, admission.
 
-    Runner.start()     load + warm up the model in the inference thread (after fork; CUDA only there)
-    Runner.request()   count an inference request in progress (the load siblings see on the board)
-    Runner.admit(n)    reserve n image slots or raise Overloaded (503 + Retry-After) before any work
-    Runner.wait_to_fetch(a)  hold a request's fetches while earlier requests have enough images on the way
-    Runner.offload()   run CPU work (decode, preprocess, big JSON) in the decode pool, not on the hub
-    Runner.infer()     queue one image for the batcher; wait on the returned result cooperatively
+    Runner.start()          load + warm up the model in the inference thread (after fork; CUDA only there)
+    Runner.request()        count an inference request in progress (the load siblings see on the board)
+    Runner.admit(n)         reserve n image slots or raise Overloaded (503 + Retry-After) before any work
+    Runner.wait_to_fetch()  hold a request's fetches while earlier requests have enough images on the way
+    Runner.offload()        run CPU work (decode, preprocess, big JSON) in the decode pool, not on the hub;
+                            decodes go in request order, a later request's held back (``_may_decode``)
+    Runner.infer()          queue one image for the batcher; wait on the returned result cooperatively
 
 Across workers (through ``service.worker``'s shared load board): a busy worker stops accepting new
 connections while a sibling is idle, and a worker whose siblings are all idle lets torch use every core.
