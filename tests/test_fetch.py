@@ -21,6 +21,7 @@ import pytest
 
 from bench.imagehost import Canary, ImageHost
 from service.errors import ImageError
+from service.pipeline import fetch
 from service.pipeline.fetch import HttpFetcher
 from service.pipeline.ssrf import AddressPolicy
 from service.settings import Settings
@@ -161,6 +162,19 @@ def test_gzip_bomb_is_not_inflated_past_the_cap(host: ImageHost) -> None:
     assert len(gzip.compress(BLOBS["zeros.jpg"])) < 64 * 1024  # small on the wire, 4 MiB inflated
     err = error(make(host, max_image_bytes=1024 * 1024).fetch(host.url("zeros.jpg", gzip=1)))
     assert err.code == "image_too_large"
+
+
+def test_a_large_gzip_body_is_inflated_whole(host: ImageHost) -> None:
+    assert make(host).fetch(host.url("zeros.jpg", gzip=1)) == BLOBS["zeros.jpg"]
+
+
+def test_a_long_read_yields_to_the_hub_after_every_chunk(host: ImageHost, monkeypatch: pytest.MonkeyPatch) -> None:
+    # buffered bytes never make the reading greenlet wait: only these yields let /healthz in meanwhile
+    sleeps: list[float] = []
+    real_sleep = gevent.sleep
+    monkeypatch.setattr(gevent, "sleep", lambda s=0, *a, **k: (sleeps.append(s), real_sleep(s, *a, **k))[1])
+    assert make(host).fetch(host.url("zeros.jpg")) == BLOBS["zeros.jpg"]
+    assert sleeps.count(0) >= len(BLOBS["zeros.jpg"]) // fetch.CHUNK_BYTES
 
 
 def test_unknown_content_encoding_is_refused(host: ImageHost) -> None:
