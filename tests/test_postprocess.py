@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import numpy as np
+import orjson
 import pytest
 
 from service.pipeline.postprocess import embedding, top_k
@@ -12,11 +13,21 @@ def test_embedding_is_unit_norm_when_normalized() -> None:
 
 
 def test_embedding_raw_when_not_normalized() -> None:
-    assert embedding(np.array([3.0, 4.0], dtype=np.float32), normalize=False) == [3.0, 4.0]
+    assert embedding(np.array([3.0, 4.0], dtype=np.float32), normalize=False).tolist() == [3.0, 4.0]
 
 
 def test_zero_embedding_stays_zero() -> None:
-    assert embedding(np.zeros(3, dtype=np.float32), normalize=True) == [0.0, 0.0, 0.0]
+    assert embedding(np.zeros(3, dtype=np.float32), normalize=True).tolist() == [0.0, 0.0, 0.0]
+
+
+def test_embedding_json_holds_the_exact_float32_values() -> None:
+    features = np.random.default_rng(0).standard_normal((4, 2048)).astype(np.float32)
+    column = features.T[7]  # a strided view: orjson serialises contiguous arrays only
+    for row in (features[1], column):
+        vec = embedding(row, normalize=True)
+        text = orjson.dumps({"embedding": vec}, option=orjson.OPT_SERIALIZE_NUMPY)
+        back = np.asarray(orjson.loads(text)["embedding"], dtype=np.float32)
+        assert back.dtype == np.float32 and np.array_equal(back, row / np.float32(np.linalg.norm(row)))
 
 
 def test_top_k_sorted_by_score_with_labels() -> None:

@@ -213,7 +213,7 @@ def _forward_all(model: LoadedModel, crops: list[np.ndarray]) -> np.ndarray:
 
 def _encode(s: _State, job: _Job, feats: np.ndarray) -> bytes:
     """The JSON response: ~1 MB for 30 resnet50 embeddings, so where it runs matters (loop or thread)."""
-    data = [{"index": i, "image": n, "embedding": postprocess.embedding(feats[i], normalize=job.normalize)}
+    data = [{"index": i, "image": n, "embedding": postprocess.embedding(feats[i], normalize=job.normalize).tolist()}
             for i, n in enumerate(job.names)]
     timings = {"fetch": _ms(job.fetched - job.started), "total": _ms(time.monotonic() - job.started)}
     return json.dumps({"model": s.config.model, "data": data, "errors": [], "timings_ms": timings}).encode()
