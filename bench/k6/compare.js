@@ -57,7 +57,7 @@ export const options = {
              maxDuration: `${PROBE_MAX_S}s`, gracefulStop: '5s' },
   },
   summaryTrendStats: ['avg', 'min', 'med', 'max', 'p(95)', 'p(99)', 'count'],
-  discardResponseBodies: true, // ~1 MB of embeddings per answer: k6 needs only the status
+  discardResponseBodies: true, // 0.7-1.3 MB of embeddings per answer: k6 needs only the status
   noUsageReport: true,
 };
 
