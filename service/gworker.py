@@ -2,8 +2,9 @@
 
 A gevent worker's hub stays free while its model is busy, so it keeps accepting connections and takes
 its share of new requests even when a sibling worker sits idle. The gate lets the runner pause
-accepting while this worker is busy and a sibling is idle; the kernel then hands new connections to
-the sibling. Everything else is gunicorn's ``GeventWorker``.
+accepting while a sibling has less load (requests in flight plus connections accepted whose first
+request has not started); the kernel then hands new connections to the sibling. Everything else is
+gunicorn's ``GeventWorker``.
 """
 
 from __future__ import annotations
@@ -40,9 +41,25 @@ class GatedStreamServer(StreamServer):
         super().start()
         worker.register_listener(self)
 
+    def do_read(self) -> Any:
+        accepted = super().do_read()
+        if accepted:
+            worker.connection_arrived(accepted[0])  # counted before the next accept can happen
+        return accepted
+
 
 class GreenserveWorker(ggevent.GeventWorker):
     def run(self) -> Any:
         # GeventWorker.run builds its servers from the module's StreamServer name
         ggevent.StreamServer = GatedStreamServer
         return super().run()
+
+    def handle(self, listener: Any, client: Any, addr: Any) -> None:
+        try:
+            super().handle(listener, client, addr)
+        finally:
+            worker.connection_settled(client)
+
+    def handle_request(self, listener_name: Any, req: Any, sock: Any, addr: Any) -> None:
+        worker.connection_settled(sock)  # from here the request itself is counted (Runner.request)
+        super().handle_request(listener_name, req, sock, addr)

@@ -93,8 +93,9 @@ class Settings:
                                  "thread (Linux): on saturated cores the thread that answers HTTP and health "
                                  "checks runs first, then the model, then decode; 0 = all alike",
                                  parse="int", lo=0, hi=19)
-    accept_gate: bool = _setting(True, "a busy worker stops accepting connections while a sibling is idle, so "
-                                 "concurrent requests spread over the workers", parse="bool")
+    accept_gate: bool = _setting(True, "a worker stops accepting connections while a sibling has less load "
+                                 "(requests in flight plus connections accepted whose first request has not "
+                                 "started), so concurrent requests spread over the workers", parse="bool")
     max_queue_images: int = _setting(256, "images admitted per worker (queued or running) before 503",
                                      parse="int", lo=1)
     request_timeout_s: float = _setting(60.0, "request deadline (a per-request X-Request-Timeout header "

@@ -2,17 +2,19 @@
 
 Kept torch-free and metric-free: the master imports this module before it forks.
 
-- ``LoadBoard``: each worker's number of inference requests in progress, in shared memory the master
-  allocates before forking. A worker reads its siblings' loads to decide whether to stop accepting
-  connections (an idle sibling should take them) and whether it may borrow idle cores for torch.
+- ``LoadBoard``: each worker's load (inference requests in progress, plus connections it accepted whose
+  first request has not started), in shared memory the master allocates before forking. A worker reads
+  its siblings' loads to decide whether to stop accepting connections (a less loaded sibling should
+  take them) and whether it may borrow idle cores for torch.
 - the slot of this worker on the board (also its ordinal, used to spread workers over GPUs);
-- the listening servers of this worker, so the accept gate can pause and resume them.
+- the listening servers of this worker, so the accept gate can pause and resume them;
+- the connections this worker accepted whose first request has not started (``connection_arrived``).
 """
 
 from __future__ import annotations
 
 import multiprocessing
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 SLOTS = 256  # more than any worker count; a dead worker's slot is reused by its replacement
 
@@ -43,6 +45,11 @@ class LoadBoard:
 
     def set_load(self, slot: int, load: int) -> None:
         self._load[slot] = load
+
+    def least_load(self, slot: int) -> int | None:
+        """The least load (requests and arriving connections) at a live sibling; None without one."""
+        loads = [self._load[i] for i in range(len(self._alive)) if i != slot and self._alive[i]]
+        return min(loads) if loads else None
 
     def siblings(self, slot: int) -> tuple[int, int]:
         """(busy, idle) counts of the other live workers."""
@@ -84,6 +91,40 @@ def slot() -> int:
 
 def register_listener(server: Any) -> None:
     _listeners.append(server)
+
+
+_arriving: set[Any] = set()  # accepted connections whose first request has not started yet
+_on_arrivals: list[Callable[[], None]] = []
+
+
+def connection_arrived(conn: Any) -> None:
+    """A connection was just accepted: it counts as this worker's load until its first request starts
+    (the request then counts itself) or it closes. Counted at accept, a burst of connections spreads
+    over the workers; counted at the request, one worker took 17 connections within a millisecond,
+    before any of their requests had arrived."""
+    _arriving.add(conn)
+    _arrivals_changed()
+
+
+def connection_settled(conn: Any) -> None:
+    """The connection's first request started, or the connection closed."""
+    if conn in _arriving:
+        _arriving.discard(conn)
+        _arrivals_changed()
+
+
+def arriving() -> int:
+    return len(_arriving)
+
+
+def on_arrivals(callback: Callable[[], None]) -> None:
+    """Call ``callback`` whenever ``arriving()`` changes (the runner republishes its load)."""
+    _on_arrivals.append(callback)
+
+
+def _arrivals_changed() -> None:
+    for callback in _on_arrivals:
+        callback()
 
 
 def set_accepting(accepting: bool) -> None:

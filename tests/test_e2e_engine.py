@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import base64
+import collections
+import json
 import re
+import socket
 import threading
 import time
 from pathlib import Path
@@ -94,6 +97,27 @@ def test_busy_worker_lets_its_idle_sibling_take_new_connections(two_workers: Gun
     during = [pid for pid, running in probes if running]
     assert during, f"the long request ended before any probe: {probes}"
     assert busy_pid not in during, f"new connections went to the busy worker {busy_pid}: {probes}"
+
+
+def test_a_burst_of_connections_spreads_over_the_workers(two_workers: GunicornServer) -> None:
+    # a connection counts as load from its accept, before its request arrives: otherwise the first worker
+    # to wake takes the whole burst (16 k6 users once went 16/0, and the busy worker refused past its queue)
+    conns = [socket.create_connection(("127.0.0.1", two_workers.port), timeout=10) for _ in range(8)]
+    try:
+        time.sleep(0.3)  # every connection accepted, none has sent a byte
+        for conn in conns:
+            conn.sendall(b"GET /healthz HTTP/1.1\r\nHost: greenserve\r\nConnection: close\r\n\r\n")
+        pids = []
+        for conn in conns:
+            answer = b""
+            while chunk := conn.recv(65536):
+                answer += chunk
+            pids.append(json.loads(answer.partition(b"\r\n\r\n")[2])["pid"])
+    finally:
+        for conn in conns:
+            conn.close()
+    per_worker = collections.Counter(pids)
+    assert len(per_worker) == 2 and max(per_worker.values()) <= 5, f"8 connections went {dict(per_worker)}"
 
 
 def _metric(text: str, name: str, labels: str = "") -> float:

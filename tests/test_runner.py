@@ -10,6 +10,7 @@ import gevent
 import numpy as np
 import pytest
 
+from service import worker
 from service.engine.runner import Admission, RankedSlots, Runner, lower_priority
 from service.settings import Settings
 from tests.fakes import FakeModel
@@ -171,3 +172,49 @@ def test_lower_priority_lowers_only_the_calling_thread_and_only_once() -> None:
     t.join()
     assert seen["delta"] == 3
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == os.getpriority(os.PRIO_PROCESS, 0)
+
+
+class _Listener:
+    def __init__(self) -> None:
+        self.accepting = True
+
+    def pause_accepting(self) -> None:
+        self.accepting = False
+
+    def resume_accepting(self) -> None:
+        self.accepting = True
+
+
+def test_the_accept_gate_counts_arriving_connections_and_yields_to_a_less_loaded_sibling(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    board = worker.LoadBoard(slots=4)
+    mine, sibling = board.claim(), board.claim()
+    listener = _Listener()
+    for name, value in (("_board", board), ("_slot", mine), ("_listeners", [listener]), ("_arriving", set()),
+                        ("_on_arrivals", [])):
+        monkeypatch.setattr(worker, name, value)
+    runner = Runner(Settings.from_env({}), model=FakeModel(), cores=2)
+    runner.start()
+    try:
+        worker.connection_arrived("first")  # accepted, no request read yet: load already
+        assert board.least_load(sibling) == 1 and not listener.accepting
+        board.set_load(sibling, 1)
+        gevent.sleep(0.1)  # the gate looks at the siblings every 20 ms
+        assert listener.accepting  # equal loads: both accept
+        worker.connection_settled("first")  # its request starts, and counts itself
+        with runner.request():
+            assert board.least_load(sibling) == 1 and listener.accepting
+            worker.connection_arrived("second")
+            assert not listener.accepting  # 2 against 1: not only an idle sibling takes precedence
+            worker.connection_settled("second")
+            assert listener.accepting
+            board.set_load(sibling, 0)
+            gevent.sleep(0.1)
+            assert not listener.accepting
+        assert listener.accepting and board.least_load(sibling) == 0
+        worker.connection_settled("never arrived")  # a connection that closed after its first request
+        assert worker.arriving() == 0
+    finally:
+        runner.batcher.stop()
+        if runner._gate is not None:
+            runner._gate.kill()

@@ -92,6 +92,7 @@ class Runner:
         if self.model is None and self._loader is not None:
             gevent.spawn(self._load)
         if worker.board() is not None and self._gate is None and self.settings.accept_gate:
+            worker.on_arrivals(self._publish_load)
             self._gate = gevent.spawn(self._gate_forever)
 
     def _load(self) -> None:
@@ -191,10 +192,14 @@ class Runner:
         while sum(a.upstream for a in self._admissions if a.arrived < admission.arrived) > ahead:
             self._settling.wait()
 
+    def _load_now(self) -> int:
+        """Requests in flight plus connections accepted whose first request has not started."""
+        return self._requests + worker.arriving()
+
     def _publish_load(self) -> None:
         board = worker.board()
         if board is not None:
-            board.set_load(worker.slot(), self._requests)
+            board.set_load(worker.slot(), self._load_now())
             if self.settings.accept_gate:
                 self._update_gate(board)
 
@@ -206,9 +211,13 @@ class Runner:
             gevent.sleep(GATE_INTERVAL_S)
 
     def _update_gate(self, board: worker.LoadBoard) -> None:
-        """Stop accepting while this worker is busy and a sibling idles; accept otherwise (idempotent)."""
-        _, idle = board.siblings(worker.slot())
-        worker.set_accepting(not (self._requests > 0 and idle > 0))
+        """Stop accepting while a sibling has less load (``_load_now``); accept otherwise (idempotent).
+
+        The least busy worker always accepts, so some worker always does. "Busy while a sibling idles"
+        was not enough: once both had a request, both accepted, and 16 connections at once went 14/2;
+        the worker with 2 then idled for 23 of the 31 s."""
+        fewest = board.least_load(worker.slot())
+        worker.set_accepting(fewest is None or self._load_now() <= fewest)
 
     # ------------------------------------------------------------------ work
 
