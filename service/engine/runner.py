@@ -216,8 +216,8 @@ class Runner:
         The least busy worker always accepts, so some worker always does. "Busy while a sibling idles"
         was not enough: once both had a request, both accepted, and 16 connections at once went 14/2;
         the worker with 2 then idled for 23 of the 31 s."""
-        fewest = board.least_load(worker.slot())
-        worker.set_accepting(fewest is None or self._load_now() <= fewest)
+        least = board.least_load(worker.slot())
+        worker.set_accepting(least is None or self._load_now() <= least)
 
     # ------------------------------------------------------------------ work
 
