@@ -8,8 +8,9 @@
                             decodes go in request order, a later request's held back (``_may_decode``)
     Runner.infer()          queue one image for the batcher; wait on the returned result cooperatively
 
-Across workers (through ``service.worker``'s shared load board): a busy worker stops accepting new
-connections while a sibling is idle, and a worker whose siblings are all idle lets torch use every core.
+Across workers (through ``service.worker``'s shared load board): a worker stops accepting new
+connections while a sibling has less load, and a worker whose siblings are all idle lets torch use every
+core.
 """
 
 from __future__ import annotations
