@@ -39,7 +39,7 @@ class _Spans:
     """First start and last end of each stage (monotonic seconds)."""
 
     spans: dict[str, list[float]] = field(default_factory=dict)
-    started: float = field(default_factory=time.monotonic)  # the request's arrival: its place in the queue
+    started: float = field(default_factory=time.monotonic)  # the request's arrival (its Admission.arrived)
 
     def add(self, stage: str, start: float, end: float) -> None:
         s = self.spans.setdefault(stage, [start, end])
@@ -104,14 +104,14 @@ class Orchestrator:
         t0 = time.monotonic()
         try:
             pixels = self.runner.offload(decode_and_crop, data, self.runner.transform, self.max_pixels,
-                                         rank=(spans.started, ref.index))
+                                         rank=(admission.arrived, ref.index))
         except ImageError as err:
             outcomes[ref.index] = err
             return
         finally:
             spans.add("decode", t0, time.monotonic())
             admission.settle()  # next: the batcher (no yield in between), or it failed
-        row: Row = self.runner.infer(pixels, deadline, group=admission, arrived=spans.started).get()
+        row: Row = self.runner.infer(pixels, deadline, group=admission, arrived=admission.arrived).get()
         outcomes[ref.index] = row
         end = time.monotonic()
         spans.add("queue", end - row.inference_s - row.queue_s, end - row.inference_s)
