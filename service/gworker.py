@@ -42,6 +42,8 @@ class GatedStreamServer(StreamServer):
         worker.register_listener(self)
 
     def do_read(self) -> Any:
+        if not worker.gate_allows():  # it paused this server: the connection waits for a sibling
+            return None
         accepted = super().do_read()
         if accepted:
             worker.connection_arrived(accepted[0])  # counted before the next accept can happen

@@ -93,6 +93,21 @@ def register_listener(server: Any) -> None:
     _listeners.append(server)
 
 
+_gate: Callable[[], bool] | None = None
+
+
+def set_gate(check: Callable[[], bool]) -> None:
+    """``check()`` decides from the siblings' loads now whether to accept, pausing the listeners if not."""
+    global _gate
+    _gate = check
+
+
+def gate_allows() -> bool:
+    """Ask the accept gate at the moment of an accept (True without a gate). The periodic look at the
+    siblings is up to 20 ms old: a sibling's load that dropped meanwhile would let one connection in."""
+    return _gate is None or _gate()
+
+
 _arriving: set[Any] = set()  # accepted connections whose first request has not started yet
 _on_arrivals: list[Callable[[], None]] = []
 

@@ -191,7 +191,7 @@ def test_the_accept_gate_counts_arriving_connections_and_yields_to_a_less_loaded
     mine, sibling = board.claim(), board.claim()
     listener = _Listener()
     for name, value in (("_board", board), ("_slot", mine), ("_listeners", [listener]), ("_arriving", set()),
-                        ("_on_arrivals", [])):
+                        ("_on_arrivals", []), ("_gate", None)):
         monkeypatch.setattr(worker, name, value)
     runner = Runner(Settings.from_env({}), model=FakeModel(), cores=2)
     runner.start()
@@ -209,8 +209,8 @@ def test_the_accept_gate_counts_arriving_connections_and_yields_to_a_less_loaded
             worker.connection_settled("second")
             assert listener.accepting
             board.set_load(sibling, 0)
-            gevent.sleep(0.1)
-            assert not listener.accepting
+            assert listener.accepting  # the periodic look has not run yet ...
+            assert not worker.gate_allows() and not listener.accepting  # ... but an accept asks now
         assert listener.accepting and board.least_load(sibling) == 0
         worker.connection_settled("never arrived")  # a connection that closed after its first request
         assert worker.arriving() == 0

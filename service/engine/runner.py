@@ -94,6 +94,7 @@ class Runner:
             gevent.spawn(self._load)
         if worker.board() is not None and self._gate is None and self.settings.accept_gate:
             worker.on_arrivals(self._publish_load)
+            worker.set_gate(self._gate_check)
             self._gate = gevent.spawn(self._gate_forever)
 
     def _load(self) -> None:
@@ -211,14 +212,22 @@ class Runner:
             self._update_gate(board)
             gevent.sleep(GATE_INTERVAL_S)
 
-    def _update_gate(self, board: worker.LoadBoard) -> None:
+    def _gate_check(self) -> bool:
+        board = worker.board()
+        assert board is not None
+        return self._update_gate(board)
+
+    def _update_gate(self, board: worker.LoadBoard) -> bool:
         """Stop accepting while a sibling has less load (``_load_now``); accept otherwise (idempotent).
+        Returns whether this worker accepts.
 
         The least busy worker always accepts, so some worker always does. "Busy while a sibling idles"
         was not enough: once both had a request, both accepted, and 16 connections at once went 14/2;
         the worker with 2 then idled for 23 of the 31 s."""
         least = board.least_load(worker.slot())
-        worker.set_accepting(least is None or self._load_now() <= least)
+        accepting = least is None or self._load_now() <= least
+        worker.set_accepting(accepting)
+        return accepting
 
     # ------------------------------------------------------------------ work
 
