@@ -4,7 +4,7 @@
 
 - overhead: one 1-image request at concurrency 1, greenserve (2 workers, defaults) vs the bare pipeline
   (same decode + model, no server, 1 process x all threads) on the same 640x480 photo, timed in
-  alternation;
+  alternation, with http.client (the overhead figure) and with requests (beside it);
 - batching: 32 concurrent clients of 1 image each (the same small photo) (k6, open loop capped at 32 in flight): images/s with
   micro-batching across requests vs one request per forward;
 - borrow: one 30-photo request alone (N=1): 2 workers borrowing idle cores (default) vs 2 workers on their
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import http.client
 import json
 import os
 import statistics
@@ -60,40 +61,71 @@ def small_photo_album() -> tuple[Path, str, bytes]:
 
 
 def overhead(model: str, weights: Path, host: ImageHost, cores: int, rounds: int = 10) -> dict[str, Any]:
-    """Bare and server timed in alternation (5 bare runs, then 5 requests of each kind, ``rounds`` times),
-    so the machine's drift hits both alike; medians. Two kinds of request: the photo inline (a data: URL,
-    like the bare run, which has the bytes in memory) and by URL from the local image host (adds the
-    fetch). ``app_ms`` is the server's own Server-Timing: the rest is HTTP and the Python client."""
+    """Bare and server timed in alternation (5 bare runs, then 5 requests of each kind with each client,
+    ``rounds`` times), so the machine's drift hits all alike; medians. Two kinds of request: the photo
+    inline (a data: URL, like the bare run, which has the bytes in memory) and by URL from the local image
+    host (adds the fetch). Two clients on keep-alive connections: the standard library's http.client, the
+    least client work (the overhead figure), and a ``requests.Session`` as many callers use (it costs the
+    caller 2-4 ms more per request on this machine; reported beside). ``app_ms`` is the server's own
+    Server-Timing: the rest is HTTP and the client."""
     directory, name, data = small_photo_album()
     host.blobs[name] = data
     bodies = {"inline": {"images": ["data:image/jpeg;base64," + base64.b64encode(data).decode()]},
               "url": {"images": [name]}}
     bare_s: list[float] = []
-    server_s: dict[str, list[float]] = {kind: [] for kind in bodies}
-    app_ms: dict[str, list[float]] = {kind: [] for kind in bodies}
     with GunicornServer(server_env(model, weights, host), workers=cores) as srv, \
             bare.BareProcess(model, weights, directory, threads=cores, reps=5) as b:
-        url = srv.url + "/v1/embeddings"
-        session = requests.Session()
-        for body in bodies.values():
-            for _ in range(3):
-                session.post(url, json=body, timeout=120).raise_for_status()
+        clients = {"http.client": _HttpClient("127.0.0.1", srv.port), "requests": _RequestsClient(srv.url)}
+        timed: dict[tuple[str, str], list[tuple[float, float]]] = {}
+        for client in clients.values():
+            for body in bodies.values():
+                for _ in range(3):
+                    client.embeddings(body)
         for _ in range(rounds):
             bare_s.append(b.seconds_per_batch())
             for kind, body in bodies.items():
-                for _ in range(5):
-                    t0 = time.perf_counter()
-                    r = session.post(url, json=body, timeout=120)
-                    server_s[kind].append(time.perf_counter() - t0)
-                    r.raise_for_status()
-                    app_ms[kind].append(float(r.headers["Server-Timing"].partition("dur=")[2]))
+                for label, client in clients.items():
+                    for _ in range(5):
+                        t0 = time.perf_counter()
+                        app_ms = client.embeddings(body)
+                        timed.setdefault((kind, label), []).append((time.perf_counter() - t0, app_ms))
     bare_ms = statistics.median(bare_s) * 1000
     out: dict[str, Any] = {"bare_ms": round(bare_ms, 1), "bare_runs": 5 * rounds}
     for kind in bodies:
-        lat_ms = statistics.median(server_s[kind]) * 1000
+        lat_ms = statistics.median(s for s, _ in timed[kind, "http.client"]) * 1000
+        req_ms = statistics.median(s for s, _ in timed[kind, "requests"]) * 1000
         out[kind] = {"greenserve_ms": round(lat_ms, 1), "overhead_ms": round(lat_ms - bare_ms, 1),
-                     "app_ms": round(statistics.median(app_ms[kind]), 1), "requests": len(server_s[kind])}
+                     "app_ms": round(statistics.median(a for _, a in timed[kind, "http.client"]), 1),
+                     "requests_client_ms": round(req_ms, 1), "requests_overhead_ms": round(req_ms - bare_ms, 1),
+                     "requests": sum(len(v) for (k, _), v in timed.items() if k == kind)}
     return out
+
+
+class _HttpClient:
+    """One keep-alive http.client connection: POST /v1/embeddings, the answer read whole."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self.conn = http.client.HTTPConnection(host, port, timeout=120)
+
+    def embeddings(self, body: dict[str, Any]) -> float:
+        self.conn.request("POST", "/v1/embeddings", body=json.dumps(body).encode(),
+                          headers={"Content-Type": "application/json"})
+        resp = self.conn.getresponse()
+        resp.read()
+        if resp.status != 200:
+            raise RuntimeError(f"HTTP {resp.status} from the server")
+        return float(resp.getheader("Server-Timing", "").partition("dur=")[2])
+
+
+class _RequestsClient:
+    def __init__(self, base_url: str) -> None:
+        self.url = base_url + "/v1/embeddings"
+        self.session = requests.Session()
+
+    def embeddings(self, body: dict[str, Any]) -> float:
+        r = self.session.post(self.url, json=body, timeout=120)
+        r.raise_for_status()
+        return float(r.headers["Server-Timing"].partition("dur=")[2])
 
 
 def batching(model: str, weights: Path, host: ImageHost, cores: int) -> dict[str, Any]:
