@@ -10,6 +10,7 @@ Serves in-memory blobs and/or a directory on 127.0.0.1. Per-request knobs in the
     endless=1      an endless body without Content-Length
     ctype=T        Content-Type T instead of the one guessed from the name
     length=N       declare Content-Length N whatever the body is
+    cut=N          declare the whole body's length, send its first N bytes, then close the connection
     gzip=1         send the body gzip-encoded (Content-Encoding: gzip)
     encoding=E     claim Content-Encoding E without encoding the body (a lying or exotic host)
     reset=1        reset the connection (RST) instead of answering
@@ -130,6 +131,11 @@ class _Handler(BaseHTTPRequestHandler):
                     time.sleep(step)
             except OSError:
                 pass  # the client gave up: that is what drip tests expect
+            return
+        if "cut" in q:
+            self.wfile.write(body[:int(q["cut"])])
+            self.wfile.flush()
+            self.close_connection = True
             return
         try:
             self.wfile.write(body)

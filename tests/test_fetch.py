@@ -177,6 +177,14 @@ def test_a_long_read_yields_to_the_hub_after_every_chunk(host: ImageHost, monkey
     assert sleeps.count(0) >= len(BLOBS["zeros.jpg"]) // fetch.CHUNK_BYTES
 
 
+def test_a_body_cut_short_fails_and_the_fetcher_carries_on(host: ImageHost) -> None:
+    url = host.url("zeros.jpg", cut=100_000, t="cut")  # Content-Length says 4 MiB; 100 KB come, then EOF
+    fetcher = make(host, fetch_retries=0)
+    err = error(fetcher.fetch(url))
+    assert err.code == "fetch_failed" and "connection broke" in err.message
+    assert fetcher.fetch(host.url("a.jpg")) == JPEG
+
+
 def test_unknown_content_encoding_is_refused(host: ImageHost) -> None:
     assert error(make(host).fetch(host.url("a.jpg", encoding="br"))).code == "fetch_failed"
 
