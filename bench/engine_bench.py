@@ -66,7 +66,7 @@ def overhead(model: str, weights: Path, host: ImageHost, cores: int, rounds: int
     ``rounds`` times) so the machine's drift hits both alike; medians.
 
     The first of each block is timed apart and left out of the medians. On this project's host the
-    first forward after a pause is slower, bare or server (a process idle 1 s: +80 to +150 ms), and
+    first forward after a pause is slower, bare or server (after 1 s idle: +65 to +145 ms), and
     each side pauses while the other is timed. Those firsts are reported as ``*_first_ms``.
 
     Two kinds of request: the photo inline (a data: URL, like the bare run, which has the bytes in
