@@ -46,21 +46,13 @@ class LoadBoard:
     def set_load(self, slot: int, load: int) -> None:
         self._load[slot] = load
 
-    def least_load(self, slot: int) -> int | None:
-        """The least load (requests and arriving connections) at a live sibling; None without one."""
-        loads = [self._load[i] for i in range(len(self._alive)) if i != slot and self._alive[i]]
-        return min(loads) if loads else None
+    def sibling_loads(self, slot: int) -> list[int]:
+        """The loads (requests and arriving connections) of the other live workers."""
+        return [self._load[i] for i in range(len(self._alive)) if i != slot and self._alive[i]]
 
-    def siblings(self, slot: int) -> tuple[int, int]:
-        """(busy, idle) counts of the other live workers."""
-        busy = idle = 0
-        for i in range(len(self._alive)):
-            if i != slot and self._alive[i]:
-                if self._load[i] > 0:
-                    busy += 1
-                else:
-                    idle += 1
-        return busy, idle
+    def least_load(self, slot: int) -> int | None:
+        """The least load at a live sibling; None without one."""
+        return min(self.sibling_loads(slot), default=None)
 
 
 _board: LoadBoard | None = None

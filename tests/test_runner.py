@@ -1,4 +1,5 @@
-"""The runner's own parts: ranked decode slots, the decode lookahead, and the nice value of compute threads."""
+"""The runner's own parts: ranked decode slots, the decode lookahead, the nice value of compute threads, the
+accept gate and borrowing idle cores."""
 
 from __future__ import annotations
 
@@ -218,3 +219,18 @@ def test_the_accept_gate_counts_arriving_connections_and_yields_to_a_less_loaded
         runner.batcher.stop()
         if runner._gate is not None:
             runner._gate.kill()
+
+
+def test_a_worker_borrows_every_core_only_while_no_live_sibling_has_load(monkeypatch: pytest.MonkeyPatch) -> None:
+    board = worker.LoadBoard(slots=4)
+    mine, sibling = board.claim(), board.claim()
+    monkeypatch.setattr(worker, "_board", board)
+    monkeypatch.setattr(worker, "_slot", mine)
+    runner = Runner(Settings.from_env({}), model=FakeModel(), cores=2)
+    assert runner._forward_threads() == 2  # the sibling idles: every core
+    board.set_load(sibling, 1)
+    assert runner._forward_threads() == 1  # the sibling is busy: this worker's share
+    board.release(sibling)
+    assert runner._forward_threads() == 2  # the sibling exited: no live sibling is busy
+    pinned = Runner(Settings.from_env({"GREENSERVE_TORCH_THREADS": "1"}), model=FakeModel(), cores=2)
+    assert pinned._forward_threads() == 1

@@ -206,10 +206,8 @@ class Runner:
                 self._update_gate(board)
 
     def _gate_forever(self) -> None:
-        board = worker.board()
-        assert board is not None
         while True:
-            self._update_gate(board)
+            self._gate_check()
             gevent.sleep(GATE_INTERVAL_S)
 
     def _gate_check(self) -> bool:
@@ -297,7 +295,7 @@ class Runner:
     def _alone(self) -> bool:
         """No sibling worker is busy (false outside gunicorn, where there is no load board)."""
         board = worker.board()
-        return board is not None and board.siblings(worker.slot())[0] == 0
+        return board is not None and not any(board.sibling_loads(worker.slot()))
 
     def _gathering(self) -> int:
         """Whether a batch should keep gathering its request's images (see ``Batcher``): 0 unless this
