@@ -23,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from bench.album import load_album
-from bench.launch import ROOT
+from harness.launch import ROOT
 
 MAX_PIXELS = 40_000_000  # greenserve's GREENSERVE_MAX_IMAGE_PIXELS default
 READY = "ready"

@@ -33,8 +33,8 @@ from bench import bare, equivalence, k6, report
 from bench.album import DEFAULT_DIR, ensure_album, load_album
 from bench.asyncio_designs.app import AppConfig
 from bench.asyncio_designs.server import UvicornServer
-from bench.imagehost import ImageHost
-from bench.launch import ROOT, GunicornServer
+from harness.imagehost import ImageHost
+from harness.launch import ROOT, GunicornServer
 
 OUT_DIR = ROOT / "bench" / "out"
 DOCS_DIR = ROOT / "docs"

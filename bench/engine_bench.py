@@ -36,9 +36,9 @@ import requests
 
 from bench import bare
 from bench.album import Photo, ensure_album, load_album, render
-from bench.imagehost import ImageHost
+from harness.imagehost import ImageHost
 from bench.k6 import run_closed, run_open
-from bench.launch import GunicornServer
+from harness.launch import GunicornServer
 from bench.report import machine
 
 OUT = Path("bench/out")

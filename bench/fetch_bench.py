@@ -25,8 +25,8 @@ from typing import Any
 
 import requests
 
-from bench.imagehost import ImageHost
-from bench.launch import GunicornServer
+from harness.imagehost import ImageHost
+from harness.launch import GunicornServer
 from tests import images
 
 URLS_PER_REQUEST = 30

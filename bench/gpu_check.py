@@ -27,8 +27,8 @@ import numpy as np
 import requests
 
 from bench.album import ensure_album, load_album
-from bench.imagehost import ImageHost
-from bench.launch import GunicornServer
+from harness.imagehost import ImageHost
+from harness.launch import GunicornServer
 
 MODEL = "resnet50"
 LOAD_SECONDS = 15.0

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import requests
 
-from bench.launch import GunicornServer
+from harness.launch import GunicornServer
 from bench.report import machine
 
 MODES = ("export", "plain-cl", "plain")

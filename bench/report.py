@@ -41,7 +41,7 @@ def machine(model: str, cores: int) -> dict[str, Any]:
 
 
 def _git(*args: str) -> str:
-    from bench.launch import ROOT
+    from harness.launch import ROOT
 
     out = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True)
     return out.stdout.strip() if out.returncode == 0 else ""

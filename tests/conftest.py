@@ -7,8 +7,8 @@ from typing import Iterator
 
 import pytest
 
-from bench.imagehost import ImageHost
-from bench.launch import GunicornServer
+from harness.imagehost import ImageHost
+from harness.launch import GunicornServer
 from tests import images
 
 E2E_MODEL = "resnet18"  # small real torchvision model; weights saved to a temp file (no download here)

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench.imagehost import ImageHost
+from harness.imagehost import ImageHost
 from service import cli
 from service.engine.model import load_model
 

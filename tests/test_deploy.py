@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import requests
 
-from bench.imagehost import ImageHost
-from bench.launch import ROOT, free_port
+from harness.imagehost import ImageHost
+from harness.launch import ROOT, free_port
 from tests.conftest import e2e_env
 
 UNIT = ROOT / "deploy" / "greenserve.service"

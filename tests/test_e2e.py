@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import requests
 
-from bench.imagehost import ImageHost
-from bench.launch import GunicornServer, free_port
+from harness.imagehost import ImageHost
+from harness.launch import GunicornServer, free_port
 from tests import images
 from tests.conftest import e2e_env
 

@@ -15,8 +15,8 @@ from typing import Iterator
 import pytest
 import requests
 
-from bench.imagehost import ImageHost
-from bench.launch import GunicornServer
+from harness.imagehost import ImageHost
+from harness.launch import GunicornServer
 from tests import images
 from tests.conftest import e2e_env
 

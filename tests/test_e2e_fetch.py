@@ -12,8 +12,8 @@ from typing import Any, Iterator
 import pytest
 import requests
 
-from bench.imagehost import Canary, ImageHost
-from bench.launch import GunicornServer
+from harness.imagehost import Canary, ImageHost
+from harness.launch import GunicornServer
 
 pytestmark = pytest.mark.e2e
 

@@ -19,7 +19,7 @@ from typing import Iterator
 import gevent
 import pytest
 
-from bench.imagehost import Canary, ImageHost
+from harness.imagehost import Canary, ImageHost
 from service.errors import ImageError
 from service.pipeline import fetch
 from service.pipeline.fetch import HttpFetcher

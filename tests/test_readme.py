@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 import requests
 
-from bench.imagehost import ImageHost
-from bench.launch import ROOT, GunicornServer
+from harness.imagehost import ImageHost
+from harness.launch import ROOT, GunicornServer
 from service.settings import settings_table
 
 BLOCK = re.compile(r"<!-- settings-table:.*?-->\n(.*?)<!-- /settings-table -->", re.S)

@@ -1,4 +1,4 @@
-"""Start and stop ``uvicorn`` serving one asyncio design on 127.0.0.1 (the twin of ``bench.launch``)."""
+"""Start and stop ``uvicorn`` serving one asyncio design on 127.0.0.1 (the twin of ``harness.launch``)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import os
 import sys
 
 from bench.asyncio_designs.app import READY_LINE, AppConfig
-from bench.launch import ServerProcess, free_port
+from harness.launch import ServerProcess, free_port
 
 
 class UvicornServer(ServerProcess):

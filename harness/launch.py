@@ -32,8 +32,10 @@ class ServerProcess:
     ready_line = READY_LINE
     kind = "server"
 
-    def __init__(self, env: dict[str, str], *, workers: int, port: int, ready_timeout_s: float) -> None:
+    def __init__(self, env: dict[str, str], *, workers: int, port: int, ready_timeout_s: float,
+                 cwd: Path = ROOT) -> None:
         self.env = env
+        self.cwd = cwd
         self.workers = workers
         self.port = port
         self.ready_timeout_s = ready_timeout_s
@@ -51,7 +53,7 @@ class ServerProcess:
 
     def start(self) -> "ServerProcess":
         with open(self.log_path, "wb") as log:  # the child keeps its own copy of the descriptor
-            self.proc = subprocess.Popen(self.command(), cwd=ROOT, env=self.env, stdout=log,
+            self.proc = subprocess.Popen(self.command(), cwd=self.cwd, env=self.env, stdout=log,
                                          stderr=subprocess.STDOUT)
         deadline = time.monotonic() + self.ready_timeout_s
         while time.monotonic() < deadline:
@@ -88,12 +90,13 @@ class GunicornServer(ServerProcess):
     kind = "greenserve"
 
     def __init__(self, env: dict[str, str], *, workers: int = 2, port: int | None = None,
-                 ready_timeout_s: float = 120.0, extra_args: list[str] | None = None) -> None:
+                 ready_timeout_s: float = 120.0, extra_args: list[str] | None = None, cwd: Path = ROOT) -> None:
+        """``cwd``: the checkout whose greenserve runs (another one's, to measure an earlier commit)."""
         port = port or free_port()
         child_env = {k: v for k, v in os.environ.items() if not k.startswith("GREENSERVE_")}
         child_env.update({"GREENSERVE_BIND": f"127.0.0.1:{port}", "GREENSERVE_WORKERS": str(workers),
                           "PYTHONUNBUFFERED": "1", **env})
-        super().__init__(child_env, workers=workers, port=port, ready_timeout_s=ready_timeout_s)
+        super().__init__(child_env, workers=workers, port=port, ready_timeout_s=ready_timeout_s, cwd=cwd)
         self.extra_args = extra_args or []
 
     def command(self) -> list[str]:

@@ -18,7 +18,7 @@ Serves in-memory blobs and/or a directory on 127.0.0.1. Per-request knobs in the
 The host counts what it saw: ``hits`` per path, ``connections`` accepted (keep-alive shows as fewer
 connections than requests), ``max_inflight`` requests handled at once. ``tls=`` serves HTTPS.
 
-``python -m bench.imagehost --dir DIR --port P [--latency-ms L]`` runs it standalone.
+``python -m harness.imagehost --dir DIR --port P [--latency-ms L]`` runs it standalone.
 """
 
 from __future__ import annotations
