@@ -1,7 +1,8 @@
 """gunicorn settings for greenserve. Values come from GREENSERVE_* variables (see the README table).
 
 This file runs in the master: never import torch (or create metric objects) here; torch state does not
-survive fork. The hooks only prepare what workers share: the metrics directory and the load board.
+survive fork. The hooks only prepare what workers share: the metrics directory and the load board
+(``service.balance``), on which each worker gets a seat.
 """
 
 import os
@@ -10,7 +11,7 @@ import tempfile
 
 from gunicorn import systemd
 
-from service import worker as _worker
+from service.balance.board import LoadBoard, Seat
 from service.settings import Settings
 
 _settings = Settings.from_env()  # bad values stop the master at start-up, naming the variable
@@ -26,17 +27,20 @@ os.environ.setdefault("GOMP_SPINCOUNT", "30000")
 bind = _settings.bind
 workers = _settings.workers
 # gevent greenlets do the I/O; each worker runs its model in one native thread. This subclass of
-# gunicorn's gevent worker adds an accept gate so a busy worker lets an idle sibling take new clients.
-worker_class = "service.gworker.GreenserveWorker"
-# Concurrent connections per worker (gevent's default is 1000); admission control answers 503 long before.
-worker_connections = 256
+# gunicorn's gevent worker accepts only while its model is ready and, with the accept gate, while no sibling
+# has less load; it caps idle connections and rebalances kept-alive ones (service/balance).
+worker_class = "service.balance.gunicorn_worker.GreenserveWorker"
+# Idle connections cost a greenlet each and are capped below this (GREENSERVE_MAX_IDLE_CONNECTIONS), so a
+# flood of them cannot fill the worker; admission control answers 503 long before it is full of requests.
+worker_connections = _settings.worker_connections
 # Load the app (and so the model) in each worker after fork: libgomp/CUDA are not fork-safe.
 preload_app = False
 # The hub stays responsive while inference runs in a thread, so this only fires on a real hang.
 timeout = _settings.worker_timeout_s
 # In-flight requests get this long to finish on SIGTERM/HUP before workers are killed.
 graceful_timeout = _settings.graceful_timeout_s
-keepalive = 5
+# Also bounds how long a request's line and headers may take (gunicorn times the read of each request).
+keepalive = _settings.keepalive_s
 # Access log to stdout with the request id greenserve echoes, so a log line can be matched to a reply.
 accesslog = "-"
 access_log_format = '%(h)s "%(r)s" %(s)s %(b)s %(M)sms rid=%({x-request-id}o)s pid=%(p)s'
@@ -50,21 +54,17 @@ control_socket_disable = True
 def on_starting(server):
     """Before any fork: a fresh prometheus multiprocess directory and the shared load board."""
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="greenserve-metrics-")
-    _worker.create_board()
+    server.greenserve_board = LoadBoard()
 
 
 def pre_fork(server, worker):
-    """Give the worker-to-be a slot on the load board (also its ordinal for GPU spreading)."""
-    worker.greenserve_slot = _worker.board().claim()
-
-
-def post_fork(server, worker):
-    _worker.set_slot(worker.greenserve_slot)
+    """Give the worker-to-be a seat on the load board (its slot is also its ordinal for GPU spreading)."""
+    worker.greenserve_seat = Seat(server.greenserve_board, server.greenserve_board.claim())
 
 
 def child_exit(server, worker):
-    """A worker died or retired: free its slot and drop its live metrics."""
-    _worker.board().release(worker.greenserve_slot)
+    """A worker died or retired: free its seat and drop its live metrics."""
+    worker.greenserve_seat.release()
     from prometheus_client import multiprocess  # no metric objects: safe in the master
 
     multiprocess.mark_process_dead(worker.pid)

@@ -18,8 +18,10 @@ from flask import Blueprint, Flask, Response, current_app, g, request
 from werkzeug.exceptions import HTTPException
 
 from service import metrics
+from service.balance.gate import Balance
+from service.connection import cancel_on_hang_up
 from service.engine.runner import Runner
-from service.errors import GreenserveError, RequestError, Unauthorized, UnsupportedMediaType
+from service.errors import ClientGone, GreenserveError, RequestError, Unauthorized, UnsupportedMediaType
 from service.pipeline.inputs import InferenceRequest, parse_form, parse_json
 from service.pipeline.orchestrate import Orchestrator
 from service.settings import Settings
@@ -66,7 +68,9 @@ def _finish(response: Response) -> Response:
 
 @bp.app_errorhandler(GreenserveError)
 def handle_error(err: GreenserveError) -> Response:
-    if err.status_code >= 500 and not err.headers:
+    if isinstance(err, ClientGone):
+        log.info("request_id=%s %s: its remaining work was stopped", g.get("request_id"), err.code)
+    elif err.status_code >= 500 and not err.headers:
         log.error("request_id=%s %s: %s", g.get("request_id"), err.code, err.message)
     return error_response(err.status_code, err.to_dict(), err.headers)
 
@@ -109,8 +113,8 @@ def classify() -> Response:
 
 
 def _infer(task: str) -> Response:
-    _, runner, _ = parts()
-    with runner.request():  # siblings see this worker as busy from here (parsing included)
+    balance: Balance = current_app.extensions["greenserve"]["balance"]
+    with balance.inference():  # siblings see this worker as busy from here (parsing included)
         return _run(task)
 
 
@@ -120,7 +124,9 @@ def _run(task: str) -> Response:
     if runner.ready and task not in runner.model.info.tasks:  # type: ignore[union-attr]
         raise RequestError(f"the loaded model does not provide {task}; it provides "
                            f"{', '.join(runner.model.info.tasks)}", code="task_not_supported")  # type: ignore[union-attr]
-    body = orchestrator.run(req, task, deadline=_deadline(settings), request_id=g.request_id)
+    deadline = _deadline(settings)
+    with cancel_on_hang_up(request.environ.get("gunicorn.socket") if settings.cancel_on_disconnect else None):
+        body = orchestrator.run(req, task, deadline=deadline, request_id=g.request_id)
     for stage, ms in body["timings_ms"].items():
         metrics.STAGE_SECONDS.labels(stage).observe(ms / 1000)
     body = {"model": runner.model.info.name, **body, "request_id": g.request_id}  # type: ignore[union-attr]

@@ -1,7 +1,7 @@
 """The error tree. Every failure a caller can cause or see is one of these; one handler maps them to HTTP.
 
     GreenserveError (500 internal_error)
-    ├── RequestError (400)            malformed request: invalid_json, invalid_request, unknown_task ...
+    ├── RequestError (400)            malformed request: invalid_json, invalid_request, malformed_body ...
     ├── Unauthorized (401)            unauthorized
     ├── PayloadTooLarge (413)         body_too_large, too_many_images
     ├── UnsupportedMediaType (415)    unsupported_content_type
@@ -13,6 +13,7 @@
     ├── ImagesFailed (by its images)  the request failed because of its images (partial=false)
     ├── Overloaded (503)              overloaded, not_ready; carries Retry-After
     ├── DeadlineExceeded (504)        deadline_exceeded
+    ├── ClientGone (499)              client_closed_request: the client disconnected; its work stopped
     └── InferenceFailed (500)         inference_failed: the model raised on a batch
 
 Third-party exceptions are translated where they arise (``raise ... from exc``); views have no ``try``.
@@ -111,6 +112,13 @@ class Overloaded(GreenserveError):
 class DeadlineExceeded(GreenserveError):
     status_code = 504
     code = "deadline_exceeded"
+
+
+class ClientGone(GreenserveError):
+    """Thrown into a request whose client disconnected (nginx's 499): nobody reads the answer."""
+
+    status_code = 499
+    code = "client_closed_request"
 
 
 class InferenceFailed(GreenserveError):

@@ -96,6 +96,19 @@ class Settings:
     accept_gate: bool = _setting(True, "a worker stops accepting connections while a sibling has less load "
                                  "(requests in flight plus connections accepted whose first request has not "
                                  "started), so concurrent requests spread over the workers", parse="bool")
+    worker_connections: int = _setting(1000, "connections one worker holds at once (gunicorn worker_connections), "
+                                       "requests in progress and idle ones together", parse="int", lo=2, hi=100_000)
+    max_idle_connections: int = _setting(128, "connections per worker waiting for a request (new or kept alive); "
+                                         "past it the longest-waiting one is closed, so idle or slow clients "
+                                         "cannot fill the worker", parse="int", lo=1, hi=100_000)
+    keepalive_s: int = _setting(5, "how long a connection may wait for its next request, and how long a "
+                                  "request's line and headers may take to arrive", unit="s", parse="int",
+                                  lo=1, hi=3600)
+    rebalance_connections: bool = _setting(True, "a worker that keeps more than one keep-alive connection more "
+                                           "than a sibling closes one after its response, so the client "
+                                           "reconnects to the lighter worker (after a respawn, say)", parse="bool")
+    cancel_on_disconnect: bool = _setting(True, "stop a request's remaining work when its client disconnects "
+                                          "(the batch already running finishes)", parse="bool")
     max_queue_images: int = _setting(256, "images admitted per worker (queued or running) before 503",
                                      parse="int", lo=1)
     request_timeout_s: float = _setting(60.0, "request deadline (a per-request X-Request-Timeout header "
@@ -151,6 +164,10 @@ class Settings:
             _check_allow_entry(entry)
         if self.dtype not in DTYPES:
             raise SettingsError(f"GREENSERVE_DTYPE={self.dtype!r} is not one of {', '.join(DTYPES)}")
+        if self.max_idle_connections >= self.worker_connections:
+            raise SettingsError(f"GREENSERVE_MAX_IDLE_CONNECTIONS={self.max_idle_connections} must be below "
+                                f"GREENSERVE_WORKER_CONNECTIONS={self.worker_connections}, or idle connections "
+                                "could fill the worker")
         if self.log_level not in ("debug", "info", "warning", "error"):
             raise SettingsError(f"GREENSERVE_LOG_LEVEL={self.log_level!r} is not debug/info/warning/error")
 

@@ -33,6 +33,14 @@ class Forward:
         return values[:, None].repeat(2, axis=1), values[:, None]
 
 
+class Request:
+    """A request as the batcher sees it (the runner's ``Admission``)."""
+
+    def __init__(self, upstream: int = 0) -> None:
+        self.upstream = upstream
+        self.cancelled = False
+
+
 def pixel(v: int) -> np.ndarray:
     return np.full((2, 2, 3), v, np.uint8)
 
@@ -48,7 +56,8 @@ def test_concurrent_requests_get_their_own_rows_in_order() -> None:
     b = make(fwd)
 
     def request(base: int) -> list[float]:
-        results = [b.submit(pixel(base + i), group=base) for i in range(5)]
+        group = Request()
+        results = [b.submit(pixel(base + i), group=group) for i in range(5)]
         return [r.get().features[0] for r in results]
 
     jobs = [gevent.spawn(request, base) for base in (0, 10, 20, 30, 40, 50)]
@@ -79,7 +88,7 @@ def test_without_cross_request_batching_a_forward_holds_one_request() -> None:
         return original(batch)
 
     b._run_batch = spy  # type: ignore[method-assign]
-    jobs = [gevent.spawn(lambda base=base: [r.get() for r in [b.submit(pixel(base + i), group=base) for i in range(3)]])
+    jobs = [gevent.spawn(lambda base=base, group=Request(): [r.get() for r in [b.submit(pixel(base + i), group=group) for i in range(3)]])
             for base in (10, 20, 30)]
     gevent.joinall(jobs, raise_error=True)
     assert all(len(groups) == 1 for groups in seen)
@@ -89,8 +98,9 @@ def test_without_cross_request_batching_a_forward_holds_one_request() -> None:
 def test_failing_batch_fails_only_its_images_and_the_batcher_carries_on() -> None:
     fwd = Forward(fail_on=66)
     b = make(fwd, across_requests=False, max_wait_s=0.0)
-    bad = [b.submit(pixel(66), group="bad")]
-    good = [b.submit(pixel(v), group="good") for v in (1, 2)]
+    bad = [b.submit(pixel(66), group=Request())]
+    good_request = Request()
+    good = [b.submit(pixel(v), group=good_request) for v in (1, 2)]
     with pytest.raises(InferenceFailed):
         bad[0].get()
     assert [r.get().features[0] for r in good] == [1, 2]
@@ -123,8 +133,9 @@ def test_earlier_requests_images_go_first_whatever_order_they_arrive_in() -> Non
     b = make(fwd, max_batch=2, max_wait_s=0.0)
     blocker = b.submit(pixel(0), arrived=0.0)  # occupies the model while the rest queue up
     gevent.sleep(0.01)
-    late = [b.submit(pixel(20 + i), group="late", arrived=2.0) for i in range(2)]
-    early = [b.submit(pixel(10 + i), group="early", arrived=1.0) for i in range(2)]
+    late_request, early_request = Request(), Request()
+    late = [b.submit(pixel(20 + i), group=late_request, arrived=2.0) for i in range(2)]
+    early = [b.submit(pixel(10 + i), group=early_request, arrived=1.0) for i in range(2)]
     order: list[str] = []
     jobs = [gevent.spawn(lambda rs=rs, name=name: ([r.get() for r in rs], order.append(name)))
             for name, rs in (("late", late), ("early", early))]
@@ -152,11 +163,6 @@ def test_images_still_upstream_are_waited_for_up_to_max_wait() -> None:
     second = b.submit(pixel(2))
     assert (first.get(timeout=2).batch_size, second.get(timeout=2).batch_size) == (2, 2)
     b.stop()
-
-
-class Request:
-    def __init__(self, upstream: int) -> None:
-        self.upstream = upstream
 
 
 def feed_one_request(b: Batcher, request: Request, n: int, gap_s: float) -> list:
@@ -251,3 +257,34 @@ def test_while_decode_is_busy_a_gathering_batch_waits_out_longer_gaps() -> None:
         assert [r.get(timeout=2).features[0] for r in results] == [0, 1, 2]
         assert fwd.sizes == expected, (gather, fwd.sizes)
         b.stop()
+
+
+def test_a_cancelled_requests_queued_images_never_reach_the_model() -> None:
+    fwd = Forward(delay_s=0.1)
+    b = make(fwd, max_batch=2)
+    running = [b.submit(pixel(1)), b.submit(pixel(2))]  # the first batch starts at once
+    gevent.sleep(0.02)
+    gone, other = Request(), Request()
+    dropped = [b.submit(pixel(10 + i), group=gone) for i in range(3)]
+    kept = b.submit(pixel(20), group=other)
+    assert b.cancel(gone) == 3
+    gone.cancelled = True
+    assert [r.get(timeout=2).features[0] for r in running] == [1, 2]  # the running batch finishes
+    assert kept.get(timeout=2).features[0] == 20
+    assert all(not r.ready() for r in dropped)
+    assert fwd.sizes == [2, 1]
+    b.stop()
+
+
+def test_a_request_cancelled_while_its_batch_gathers_is_left_out_of_the_forward() -> None:
+    fwd = Forward()
+    b = make(fwd, max_wait_s=0.2)
+    request = Request(upstream=1)  # more of its images on their way: its batch waits for them
+    first = b.submit(pixel(5), group=request)
+    gevent.sleep(0.05)
+    request.cancelled = True
+    request.upstream = 0
+    b.wake()
+    gevent.sleep(0.3)
+    assert not first.ready() and fwd.sizes == []
+    b.stop()

@@ -11,7 +11,6 @@ import gevent
 import numpy as np
 import pytest
 
-from service import worker
 from service.engine.runner import Admission, RankedSlots, Runner, lower_priority
 from service.settings import Settings
 from tests.fakes import FakeModel
@@ -175,62 +174,21 @@ def test_lower_priority_lowers_only_the_calling_thread_and_only_once() -> None:
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == os.getpriority(os.PRIO_PROCESS, 0)
 
 
-class _Listener:
+class Siblings:
     def __init__(self) -> None:
-        self.accepting = True
+        self.idle = True
 
-    def pause_accepting(self) -> None:
-        self.accepting = False
-
-    def resume_accepting(self) -> None:
-        self.accepting = True
+    def siblings_idle(self) -> bool:
+        return self.idle
 
 
-def test_the_accept_gate_counts_arriving_connections_and_yields_to_a_less_loaded_sibling(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    board = worker.LoadBoard(slots=4)
-    mine, sibling = board.claim(), board.claim()
-    listener = _Listener()
-    for name, value in (("_board", board), ("_slot", mine), ("_listeners", [listener]), ("_arriving", set()),
-                        ("_on_arrivals", []), ("_gate", None)):
-        monkeypatch.setattr(worker, name, value)
-    runner = Runner(Settings.from_env({}), model=FakeModel(), cores=2)
-    runner.start()
-    try:
-        worker.connection_arrived("first")  # accepted, no request read yet: load already
-        assert board.least_load(sibling) == 1 and not listener.accepting
-        board.set_load(sibling, 1)
-        gevent.sleep(0.1)  # the gate looks at the siblings every 20 ms
-        assert listener.accepting  # equal loads: both accept
-        worker.connection_settled("first")  # its request starts, and counts itself
-        with runner.request():
-            assert board.least_load(sibling) == 1 and listener.accepting
-            worker.connection_arrived("second")
-            assert not listener.accepting  # 2 against 1: not only an idle sibling takes precedence
-            worker.connection_settled("second")
-            assert listener.accepting
-            board.set_load(sibling, 0)
-            assert listener.accepting  # the periodic look has not run yet ...
-            assert not worker.gate_allows() and not listener.accepting  # ... but an accept asks now
-        assert listener.accepting and board.least_load(sibling) == 0
-        worker.connection_settled("never arrived")  # a connection that closed after its first request
-        assert worker.arriving() == 0
-    finally:
-        runner.batcher.stop()
-        if runner._gate is not None:
-            runner._gate.kill()
-
-
-def test_a_worker_borrows_every_core_only_while_no_live_sibling_has_load(monkeypatch: pytest.MonkeyPatch) -> None:
-    board = worker.LoadBoard(slots=4)
-    mine, sibling = board.claim(), board.claim()
-    monkeypatch.setattr(worker, "_board", board)
-    monkeypatch.setattr(worker, "_slot", mine)
-    runner = Runner(Settings.from_env({}), model=FakeModel(), cores=2)
-    assert runner._forward_threads() == 2  # the sibling idles: every core
-    board.set_load(sibling, 1)
-    assert runner._forward_threads() == 1  # the sibling is busy: this worker's share
-    board.release(sibling)
-    assert runner._forward_threads() == 2  # the sibling exited: no live sibling is busy
-    pinned = Runner(Settings.from_env({"GREENSERVE_TORCH_THREADS": "1"}), model=FakeModel(), cores=2)
+def test_a_worker_borrows_every_core_only_while_its_siblings_are_idle() -> None:
+    siblings = Siblings()
+    runner = Runner(Settings.from_env({}), model=FakeModel(), cores=2, siblings=siblings)
+    assert runner._forward_threads() == 2  # the siblings idle: every core
+    siblings.idle = False
+    assert runner._forward_threads() == 1  # one is busy: this worker's share
+    assert Runner(Settings.from_env({}), model=FakeModel(), cores=2)._forward_threads() == 1  # nothing known
+    pinned = Runner(Settings.from_env({"GREENSERVE_TORCH_THREADS": "1"}), model=FakeModel(), cores=2,
+                    siblings=Siblings())
     assert pinned._forward_threads() == 1

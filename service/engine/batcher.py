@@ -14,7 +14,7 @@ import time
 import heapq
 import itertools
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, Protocol, Sequence
 
 import gevent
 import numpy as np
@@ -32,6 +32,16 @@ GATHER_WHILE_DECODING = 2  # what ``gather`` returns while the worker's decode t
 GATHER_MAX_S = 2.0  # a gathering batch goes after this long whatever comes (a bound, not a tuning)
 
 
+class Group(Protocol):
+    """What the batcher reads of the request an image belongs to (``runner.Admission``)."""
+
+    @property
+    def upstream(self) -> int: ...  # the request's images still being fetched or decoded
+
+    @property
+    def cancelled(self) -> bool: ...  # the request ended: its images are not worth a forward
+
+
 @dataclass(frozen=True)
 class Row:
     """One image's outputs, with how long it queued and how long its batch ran."""
@@ -47,7 +57,7 @@ class Row:
 class _Item:
     pixels: np.ndarray
     deadline: float | None
-    group: object = None
+    group: Group | None = None
     rank: tuple[float, int] = (0.0, 0)  # (the request's arrival, the image's submission order)
     result: AsyncResult = field(default_factory=AsyncResult)
     enqueued: float = field(default_factory=time.monotonic)
@@ -122,11 +132,10 @@ class Batcher:
             self._loop.kill()
             self._loop = None
 
-    def submit(self, pixels: np.ndarray, deadline: float | None = None, group: object = None,
+    def submit(self, pixels: np.ndarray, deadline: float | None = None, group: Group | None = None,
                arrived: float | None = None) -> AsyncResult:
         """Queue one image of request ``group`` (which ``arrived`` at that monotonic time; now if not given);
-        ``.get()`` the result to wait for its ``Row``. A group may say how many of its images are still on
-        their way in an ``upstream`` attribute (see ``_exclusive``)."""
+        ``.get()`` the result to wait for its ``Row``."""
         rank = (time.monotonic() if arrived is None else arrived, next(self._order))
         item = _Item(pixels, deadline, group, rank)
         heapq.heappush(self._items, (rank, item))
@@ -137,6 +146,16 @@ class Batcher:
     def wake(self) -> None:
         """Make a waiting collector look again (at ``upstream``, say)."""
         self._arrived.set()
+
+    def cancel(self, group: Group) -> int:
+        """Drop ``group``'s queued images (a batch already running finishes); how many were dropped."""
+        kept = [entry for entry in self._items if entry[1].group is not group]
+        dropped = len(self._items) - len(kept)
+        if dropped:
+            heapq.heapify(kept)
+            self._items = kept
+            log.debug("dropped %d queued image(s) of a cancelled request", dropped)
+        return dropped
 
     def _collect_forever(self) -> None:
         while True:
@@ -166,7 +185,7 @@ class Batcher:
                 break
             now = time.monotonic()
             remaining = until - now
-            if self._gather is not None and getattr(first.group, "upstream", 0) > 0:
+            if self._gather is not None and _upstream(first.group) > 0:
                 gather = self._gather()
                 if gather == GATHER_WHILE_DECODING:  # its next image is being decoded: wait for it
                     remaining = max(remaining, GATHER_GAP_S)
@@ -184,7 +203,7 @@ class Batcher:
             self._on_take()
         return item
 
-    def _exclusive(self, group: object) -> bool:
+    def _exclusive(self, group: Group | None) -> bool:
         """Whether a batch led by ``group``'s image may only hold that group's images.
 
         Always without cross-request batching. With it, while the group still has images on their way
@@ -193,9 +212,9 @@ class Batcher:
         the next batch will hold more of its images anyway. Tiny requests (nothing upstream) still
         share forwards.
         """
-        return not self.across_requests or getattr(group, "upstream", 0) > 0
+        return not self.across_requests or _upstream(group) > 0
 
-    def _pop(self, group: object) -> _Item | None:
+    def _pop(self, group: Group | None) -> _Item | None:
         """The next image by rank, or (``group`` given) the next of that group's."""
         if group is None:
             return heapq.heappop(self._items)[1] if self._items else None
@@ -209,9 +228,12 @@ class Batcher:
 
     @staticmethod
     def _drop_expired(batch: Sequence[_Item]) -> list[_Item]:
+        """The batch without images whose request was cancelled while it gathered, or whose deadline passed."""
         now = time.monotonic()
         live = []
         for item in batch:
+            if item.group is not None and item.group.cancelled:
+                continue
             if item.deadline is not None and now >= item.deadline:
                 item.result.set_exception(DeadlineExceeded(
                     "the request deadline passed before this image reached the model; retry later or "
@@ -237,6 +259,10 @@ class Batcher:
         for i, item in enumerate(batch):
             item.result.set(Row(None if feats is None else feats[i], logits[i], started - item.enqueued,
                                 seconds, len(batch)))
+
+
+def _upstream(group: Group | None) -> int:
+    return group.upstream if group is not None else 0
 
 
 def _forward_stacked(run_batch: RunBatch, pixels: list[np.ndarray]) -> tuple | Exception:

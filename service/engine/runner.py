@@ -1,16 +1,14 @@
 """What one worker owns: the model, its one inference thread, the decode threads, the batcher, admission.
 
     Runner.start()          load + warm up the model in the inference thread (after fork; CUDA only there)
-    Runner.request()        count an inference request in progress (the load siblings see on the board)
     Runner.admit(n)         reserve n image slots or raise Overloaded (503 + Retry-After) before any work
     Runner.wait_to_fetch()  hold a request's fetches while earlier requests have enough images on the way
     Runner.offload()        run CPU work (decode, preprocess, big JSON) in the decode pool, not on the hub;
                             decodes go in request order, a later request's held back (``_may_decode``)
     Runner.infer()          queue one image for the batcher; wait on the returned result cooperatively
 
-Across workers (through ``service.worker``'s shared load board): a worker stops accepting new
-connections while a sibling has less load, and a worker whose siblings are all idle lets torch use every
-core.
+Across workers: a worker whose siblings are all idle (``Siblings``, a view of the balance board) lets
+torch use every core.
 """
 
 from __future__ import annotations
@@ -30,7 +28,7 @@ import numpy as np
 from gevent.event import AsyncResult, Event
 from gevent.threadpool import ThreadPool
 
-from service import metrics, worker
+from service import metrics
 from service.engine.batcher import GATHER_WHILE_DECODING, Batcher
 from service.engine.model import ModelInfo
 from service.engine.transform import Transform
@@ -41,7 +39,6 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 NOT_READY_RETRY_S = 5
-GATE_INTERVAL_S = 0.02  # how often the accept gate looks at the siblings' loads
 
 
 class Model(Protocol):
@@ -54,9 +51,16 @@ class Model(Protocol):
     def warm_up(self) -> None: ...
 
 
+class Siblings(Protocol):
+    """What the runner reads of the other workers on this host (``service.balance.gate.Balance``)."""
+
+    def siblings_idle(self) -> bool: ...
+
+
 class Runner:
     def __init__(self, settings: Settings, *, model: Model | None = None,
-                 loader: Callable[[], Model] | None = None, cores: int | None = None) -> None:
+                 loader: Callable[[], Model] | None = None, cores: int | None = None,
+                 siblings: Siblings | None = None) -> None:
         self.settings = settings
         self._infer_pool = ThreadPool(1)  # the worker-local lock: one native thread touches the model
         self._decode_pool = ThreadPool(settings.decode_threads_per_worker())
@@ -68,14 +72,13 @@ class Runner:
         self.load_error: BaseException | None = None
         self._ready = Event()
         self._admitted = 0
-        self._requests = 0
+        self._siblings = siblings
         self._cores = cores or len(os.sched_getaffinity(0))
         self._threads_now = 0
         self._upstream = 0  # admitted images not yet at the batcher (being fetched or decoded)
         self._admissions: list[Admission] = []  # requests admitted and not finished, in arrival order
         self._settling = Event()  # set (and replaced) whenever upstream images settle or a request ends
         self._offloaded = 0  # tasks waiting for or running in the decode pool
-        self._gate: gevent.Greenlet | None = None
         self.batcher = Batcher(self._forward, self._infer_pool, max_batch=settings.max_batch,
                                max_wait_s=settings.max_batch_wait_ms / 1000,
                                across_requests=settings.batch_across_requests,
@@ -88,14 +91,10 @@ class Runner:
     # ------------------------------------------------------------------ lifecycle
 
     def start(self) -> None:
-        """Begin serving: load the model in the background unless one was given; run the accept gate."""
+        """Begin serving: load the model in the background unless one was given."""
         self.batcher.start()
         if self.model is None and self._loader is not None:
             gevent.spawn(self._load)
-        if worker.board() is not None and self._gate is None and self.settings.accept_gate:
-            worker.on_arrivals(self._publish_load)
-            worker.set_gate(self._gate_check)
-            self._gate = gevent.spawn(self._gate_forever)
 
     def _load(self) -> None:
         try:
@@ -134,17 +133,6 @@ class Runner:
     # ------------------------------------------------------------------ load and admission
 
     @contextlib.contextmanager
-    def request(self) -> Iterator[None]:
-        """Count one inference request in progress (parsing included) on the shared load board."""
-        self._requests += 1
-        self._publish_load()
-        try:
-            yield
-        finally:
-            self._requests -= 1
-            self._publish_load()
-
-    @contextlib.contextmanager
     def admit(self, n_images: int, arrived: float | None = None) -> Iterator[Admission]:
         """Reserve ``n_images`` of this worker's queue, or refuse at once with 503 + Retry-After.
         ``arrived`` (monotonic, default now) places the request among the worker's others."""
@@ -166,6 +154,10 @@ class Runner:
         metrics.QUEUE_IMAGES.inc(n_images)
         try:
             yield admission
+        except BaseException:
+            admission.cancelled = True
+            self.batcher.cancel(admission)  # failed, timed out or its client left: drop its queued images
+            raise
         finally:
             self._admitted -= n_images
             self._admissions.remove(admission)
@@ -193,39 +185,6 @@ class Runner:
         ahead = self.settings.fetch_concurrency
         while sum(a.upstream for a in self._admissions if a.arrived < admission.arrived) > ahead:
             self._settling.wait()
-
-    def _load_now(self) -> int:
-        """Requests in flight plus connections accepted whose first request has not started."""
-        return self._requests + worker.arriving()
-
-    def _publish_load(self) -> None:
-        board = worker.board()
-        if board is not None:
-            board.set_load(worker.slot(), self._load_now())
-            if self.settings.accept_gate:
-                self._update_gate(board)
-
-    def _gate_forever(self) -> None:
-        while True:
-            self._gate_check()
-            gevent.sleep(GATE_INTERVAL_S)
-
-    def _gate_check(self) -> bool:
-        board = worker.board()
-        assert board is not None
-        return self._update_gate(board)
-
-    def _update_gate(self, board: worker.LoadBoard) -> bool:
-        """Stop accepting while a sibling has less load (``_load_now``); accept otherwise (idempotent).
-        Returns whether this worker accepts.
-
-        The least busy worker always accepts, so some worker always does. "Busy while a sibling idles"
-        was not enough: once both had a request, both accepted, and 16 connections at once went 14/2;
-        the worker with 2 then idled for 23 of the 31 s."""
-        least = board.least_load(worker.slot())
-        accepting = least is None or self._load_now() <= least
-        worker.set_accepting(accepting)
-        return accepting
 
     # ------------------------------------------------------------------ work
 
@@ -263,7 +222,7 @@ class Runner:
         """
         return self.batcher.queued_before(rank[0]) < self._decode_pool.maxsize
 
-    def infer(self, pixels: np.ndarray, deadline: float | None = None, group: object = None,
+    def infer(self, pixels: np.ndarray, deadline: float | None = None, group: Admission | None = None,
               arrived: float | None = None) -> AsyncResult:
         return self.batcher.submit(pixels, deadline, group, arrived)
 
@@ -293,9 +252,8 @@ class Runner:
         return self._cores if self._alone() else share
 
     def _alone(self) -> bool:
-        """No sibling worker is busy (false outside gunicorn, where there is no load board)."""
-        board = worker.board()
-        return board is not None and not any(board.sibling_loads(worker.slot()))
+        """No sibling worker is busy (false outside gunicorn, where nothing is known of siblings)."""
+        return self._siblings is not None and self._siblings.siblings_idle()
 
     def _gathering(self) -> int:
         """Whether a batch should keep gathering its request's images (see ``Batcher``): 0 unless this
@@ -309,12 +267,13 @@ class Runner:
 class Admission:
     """A request's reserved images; ``upstream`` of them are still being fetched or decoded."""
 
-    __slots__ = ("upstream", "arrived", "_runner")
+    __slots__ = ("upstream", "arrived", "cancelled", "_runner")
 
     def __init__(self, runner: Runner, n_images: int, arrived: float) -> None:
         self._runner = runner
         self.upstream = n_images
         self.arrived = arrived
+        self.cancelled = False
 
     def settle(self, n: int = 1) -> None:
         """``n`` of the request's images reached the batcher, or failed on the way."""

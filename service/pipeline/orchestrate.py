@@ -31,9 +31,6 @@ from service.pipeline.inputs import ImageRef, InferenceRequest
 from service.engine.transform import Transform
 from service.pipeline.preprocess import preprocess
 
-TASKS = ("embeddings", "classify")
-
-
 @dataclass
 class _Spans:
     """First start and last end of each stage (monotonic seconds)."""
@@ -50,6 +47,28 @@ class _Spans:
         return round((s[1] - s[0]) * 1000, 1) if s else 0.0
 
 
+class _ImageFailed(Exception):
+    """Thrown into the request's greenlet when one of its images failed and partial results are off."""
+
+
+@dataclass
+class _Work:
+    """One request's work in progress, shared by its greenlets."""
+
+    admission: Admission
+    spans: _Spans
+    outcomes: dict[int, Row | ImageError]
+    deadline: float
+    request: gevent.Greenlet  # the greenlet running the request: ``abort`` interrupts it where it waits
+    aborted: bool = False
+
+    def abort(self) -> None:
+        """Once only: a second throw could land after the request has moved on to answering."""
+        if not self.aborted:
+            self.aborted = True
+            gevent.kill(self.request, _ImageFailed())
+
+
 def decode_and_crop(data: bytes, transform: Transform, max_pixels: int) -> np.ndarray:
     """Runs in a decode thread: safe decode (JPEG draft at the resize size) then resize + crop."""
     return preprocess(decode_image(data, max_pixels=max_pixels, draft_size=transform.resize_size), transform)
@@ -64,68 +83,84 @@ class Orchestrator:
         self.on_image_error = on_image_error
 
     def run(self, req: InferenceRequest, task: str, *, deadline: float, request_id: str = "") -> dict[str, Any]:
-        """The response body (without ``model``/``request_id``) for ``req``; raises request-level errors."""
+        """The response body (without ``model``/``request_id``) for ``req``; raises request-level errors.
+
+        With ``partial`` false the first unusable image ends the request at once: its other fetches are
+        cancelled, its decodes stopped and its queued images dropped before the model."""
         spans = _Spans()
         outcomes: dict[int, Row | ImageError] = {r.index: r.error for r in req.refs if r.error is not None}
+        if outcomes and not req.partial:
+            self._fail(req, outcomes)  # refused at parsing: no work is worth starting
         with self.runner.admit(len(req.refs), arrived=spans.started) as admission:
             admission.settle(len(outcomes))  # refused at parsing: they never come
             timeout = gevent.Timeout(max(0.0, deadline - time.monotonic()),
                                      DeadlineExceeded("the request deadline passed; retry with fewer images or "
                                                       "a longer X-Request-Timeout"))
-            with timeout:
-                self._process(req, admission, spans, outcomes, deadline, request_id)
+            try:
+                with timeout:
+                    self._process(req, _Work(admission, spans, outcomes, deadline, gevent.getcurrent()),
+                                  request_id)
+            except _ImageFailed:
+                self._fail(req, outcomes)
         return self._respond(req, task, outcomes, spans)
 
-    def _process(self, req: InferenceRequest, admission: Admission, spans: _Spans,
-                 outcomes: dict[int, Row | ImageError], deadline: float, request_id: str) -> None:
+    def _process(self, req: InferenceRequest, work: _Work, request_id: str) -> None:
         group = gevent.pool.Group()
         try:
             for ref in req.refs:
                 if ref.data is not None:
-                    group.spawn(self._image, ref, ref.data, admission, spans, outcomes, deadline)
+                    group.spawn(self._image, req, ref, ref.data, work)
             remote = [r for r in req.refs if r.url is not None and r.error is None]
             if remote:
-                self.runner.wait_to_fetch(admission)
+                self.runner.wait_to_fetch(work.admission)
                 fetch_start = time.monotonic()
-                for i, result in self.fetcher.fetch_many([r.url for r in remote], deadline=deadline,
+                for i, result in self.fetcher.fetch_many([r.url for r in remote], deadline=work.deadline,
                                                          request_id=request_id):
-                    spans.add("fetch", fetch_start, time.monotonic())
+                    work.spans.add("fetch", fetch_start, time.monotonic())
                     if isinstance(result, ImageError):
-                        outcomes[remote[i].index] = result
-                        admission.settle()
+                        work.outcomes[remote[i].index] = result
+                        work.admission.settle()
+                        if not req.partial:
+                            raise _ImageFailed()
                     else:
-                        group.spawn(self._image, remote[i], result, admission, spans, outcomes, deadline)
+                        group.spawn(self._image, req, remote[i], result, work)
             group.join(raise_error=True)
         finally:
             group.kill()
 
-    def _image(self, ref: ImageRef, data: bytes, admission: Admission, spans: _Spans,
-               outcomes: dict[int, Row | ImageError], deadline: float) -> None:
+    def _image(self, req: InferenceRequest, ref: ImageRef, data: bytes, work: _Work) -> None:
         t0 = time.monotonic()
         try:
             pixels = self.runner.offload(decode_and_crop, data, self.runner.transform, self.max_pixels,
-                                         rank=(admission.arrived, ref.index))
+                                         rank=(work.admission.arrived, ref.index))
         except ImageError as err:
-            outcomes[ref.index] = err
+            work.outcomes[ref.index] = err
+            if not req.partial:
+                work.abort()
             return
         finally:
-            spans.add("decode", t0, time.monotonic())
-            admission.settle()  # next: the batcher (no yield in between), or it failed
-        row: Row = self.runner.infer(pixels, deadline, group=admission, arrived=admission.arrived).get()
-        outcomes[ref.index] = row
+            work.spans.add("decode", t0, time.monotonic())
+            work.admission.settle()  # next: the batcher (no yield in between), or it failed
+        row: Row = self.runner.infer(pixels, work.deadline, group=work.admission,
+                                     arrived=work.admission.arrived).get()
+        work.outcomes[ref.index] = row
         end = time.monotonic()
-        spans.add("queue", end - row.inference_s - row.queue_s, end - row.inference_s)
-        spans.add("inference", end - row.inference_s, end)
+        work.spans.add("queue", end - row.inference_s - row.queue_s, end - row.inference_s)
+        work.spans.add("inference", end - row.inference_s, end)
 
-    def _respond(self, req: InferenceRequest, task: str, outcomes: dict[int, Row | ImageError],
-                 spans: _Spans) -> dict[str, Any]:
-        failures = [(r.index, r.name, outcomes[r.index]) for r in req.refs
-                    if isinstance(outcomes.get(r.index), ImageError)]
+    def _fail(self, req: InferenceRequest, outcomes: dict[int, Row | ImageError]) -> None:
+        failures = [(r.index, r.name, err) for r in req.refs if isinstance(err := outcomes.get(r.index), ImageError)]
         for _, _, err in failures:
             if self.on_image_error:
                 self.on_image_error(err)
-        if failures and not req.partial:
-            raise ImagesFailed(failures)
+        raise ImagesFailed(failures)
+
+    def _respond(self, req: InferenceRequest, task: str, outcomes: dict[int, Row | ImageError],
+                 spans: _Spans) -> dict[str, Any]:
+        failures = [(r.index, r.name, err) for r in req.refs if isinstance(err := outcomes.get(r.index), ImageError)]
+        for _, _, err in failures:
+            if self.on_image_error:
+                self.on_image_error(err)
         labels = self.runner.labels
         data = []
         for ref in req.refs:

@@ -1,0 +1,50 @@
+"""The load board: each live worker's load and kept connections, in shared memory the master allocates
+before forking. Torch-free and metric-free: the master imports it."""
+
+from __future__ import annotations
+
+import multiprocessing
+from dataclasses import dataclass
+
+SLOTS = 256  # more than any worker count; a dead worker's slot is reused by its replacement
+# The load a worker publishes while it must not be deferred to: its model is loading or failed, or it is
+# shutting down. Siblings then take the connections; borrowing counts it as busy.
+UNAVAILABLE = 1 << 30
+
+
+class LoadBoard:
+    def __init__(self, slots: int = SLOTS) -> None:
+        # RawArray: anonymous shared memory, inherited by every forked worker; single-word writes only
+        self._alive = multiprocessing.RawArray("b", slots)
+        self._load = multiprocessing.RawArray("i", slots)
+        self._kept = multiprocessing.RawArray("i", slots)
+
+    def claim(self) -> int:
+        """Master, before fork: the first free slot, marked alive and unavailable until its model is ready."""
+        for i in range(len(self._alive)):
+            if not self._alive[i]:
+                self._alive[i], self._load[i], self._kept[i] = 1, UNAVAILABLE, 0
+                return i
+        raise RuntimeError(f"more than {len(self._alive)} live workers")
+
+    def release(self, slot: int) -> None:
+        """Master, when a worker exits."""
+        self._alive[slot], self._load[slot], self._kept[slot] = 0, 0, 0
+
+    def publish(self, slot: int, load: int, kept: int) -> None:
+        self._load[slot], self._kept[slot] = load, kept
+
+    def siblings(self, slot: int) -> list[tuple[int, int]]:
+        """(load, kept connections) of every other live worker."""
+        return [(self._load[i], self._kept[i]) for i in range(len(self._alive)) if i != slot and self._alive[i]]
+
+
+@dataclass(frozen=True)
+class Seat:
+    """A worker's place on the board: made by the master in ``pre_fork``, inherited by the worker."""
+
+    board: LoadBoard
+    slot: int
+
+    def release(self) -> None:
+        self.board.release(self.slot)

@@ -1,0 +1,226 @@
+"""One worker's side of balancing: its connections, its load on the board, and whether it accepts.
+
+    accepts     a worker accepts only while it serves: its model is ready (or failed with no sibling to
+                take over, so ``/readyz`` can say why), it is not shutting down, and, with the accept gate
+                on, no sibling has less load; then the kernel hands new connections to that sibling
+    load        inference requests in progress, plus connections accepted in the last ``ARRIVAL_WINDOW_S``
+                that have not sent their first request (a burst spreads before its requests arrive, and an
+                idle flood stops counting after the window)
+    idle cap    connections waiting for a request (new or kept alive) beyond ``max_idle`` are closed,
+                oldest first, so idle or slow connections cannot fill the worker
+    rebalance   a worker that keeps more than one keep-alive connection more than a sibling closes the
+                connection of the request it starts, after the response: the client reconnects, and the
+                gate sends it to the lighter sibling (after a respawn, say)
+
+The decision is level-triggered: ``tick`` re-applies it every ``TICK_S``, and each accept asks again, so
+no lost wake-up (gevent re-arms a full pool's accept once) can leave a worker that should accept idle.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import socket
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Iterator, Protocol
+
+import gevent
+
+from service.balance.board import UNAVAILABLE, Seat
+from service.settings import Settings
+
+log = logging.getLogger(__name__)
+
+TICK_S = 0.02  # how often the decision is re-applied from the siblings' loads
+# How long a new connection counts as load before its first request. A burst of connections then spreads
+# (8 connections that sent nothing for 0.3 s went 4/4); idle ones stop steering clients after it.
+ARRIVAL_WINDOW_S = 1.0
+
+
+class Listener(Protocol):
+    """A listening server the gate opens and closes (``GatedStreamServer``)."""
+
+    def set_accepting(self, accepting: bool) -> None: ...
+
+
+class Readiness(Protocol):
+    """What the gate reads of the engine (``Runner``)."""
+
+    @property
+    def ready(self) -> bool: ...
+
+    @property
+    def load_error(self) -> BaseException | None: ...
+
+
+@dataclass(frozen=True)
+class Policy:
+    accept_gate: bool = True
+    max_idle: int = 100
+    rebalance: bool = True
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> Policy:
+        return cls(settings.accept_gate, settings.max_idle_connections, settings.rebalance_connections)
+
+
+class Balance:
+    """Made per worker from its ``Seat``; without one (unit tests, one process) it only counts."""
+
+    def __init__(self, seat: Seat | None, policy: Policy, *, clock: Any = time.monotonic) -> None:
+        self._seat = seat
+        self.policy = policy
+        self._clock = clock
+        self._readiness: Readiness | None = None
+        self._listeners: list[Listener] = []
+        self._requests = 0
+        self._idle: OrderedDict[Any, float] = OrderedDict()  # connection → since when it waits for a request
+        self._arriving: OrderedDict[Any, float] = OrderedDict()  # accepted, no request yet → accepted at
+        self._kept: set[Any] = set()  # connections that served a request and were not shed
+        self._closing = False
+        self._accepting: bool | None = None
+        self._ticker: gevent.Greenlet | None = None
+
+    @property
+    def slot(self) -> int:
+        """This worker's index among its siblings (0 outside gunicorn): also used to spread GPUs."""
+        return self._seat.slot if self._seat else 0
+
+    # ------------------------------------------------------------------ wiring
+
+    def start(self, readiness: Readiness) -> None:
+        """In the worker, once the app is built: follow ``readiness`` and keep the decision applied."""
+        self._readiness = readiness
+        if self._seat is not None and self._ticker is None:  # alone (no board) there is nothing to follow
+            self._ticker = gevent.spawn(self._tick_forever)
+
+    def stop(self) -> None:
+        if self._ticker is not None:
+            self._ticker.kill()
+            self._ticker = None
+
+    def add_listener(self, listener: Listener) -> None:
+        self._listeners.append(listener)
+        listener.set_accepting(self._decide())
+
+    def close(self) -> None:
+        """Shutting down (SIGTERM/SIGINT/HUP): accept nothing more, at once."""
+        self._closing = True
+        self.apply()
+
+    # ------------------------------------------------------------------ connections (the gunicorn worker)
+
+    def accepted(self, conn: Any) -> None:
+        now = self._clock()
+        self._arriving[conn] = now
+        self._idle[conn] = now
+        while len(self._idle) > self.policy.max_idle:
+            oldest, _ = self._idle.popitem(last=False)
+            self._arriving.pop(oldest, None)
+            _hang_up(oldest)
+        self.apply()
+
+    def request_started(self, conn: Any) -> bool:
+        """The connection's next request starts; True: close the connection after this response."""
+        self._idle.pop(conn, None)
+        first = self._arriving.pop(conn, None) is not None
+        shed = self._should_shed(conn, first)
+        if shed:
+            self._kept.discard(conn)
+        else:
+            self._kept.add(conn)
+        self.apply()
+        return shed
+
+    def request_done(self, conn: Any) -> None:
+        if conn in self._kept:
+            self._idle[conn] = self._clock()
+
+    def closed(self, conn: Any) -> None:
+        self._idle.pop(conn, None)
+        self._arriving.pop(conn, None)
+        self._kept.discard(conn)
+        self.apply()
+
+    @contextlib.contextmanager
+    def inference(self) -> Iterator[None]:
+        """Count one inference request in progress (parsing included): what siblings see as load."""
+        self._requests += 1
+        self.apply()
+        try:
+            yield
+        finally:
+            self._requests -= 1
+            self.apply()
+
+    def may_accept(self) -> bool:
+        """Asked at each accept: the decision from the siblings' loads now (the last tick may be 20 ms old)."""
+        return self.apply()
+
+    # ------------------------------------------------------------------ the view the engine reads
+
+    def siblings_idle(self) -> bool:
+        """No live sibling has load (false without a board: outside gunicorn nothing is known)."""
+        return self._seat is not None and not any(load for load, _ in self._seat.board.siblings(self.slot))
+
+    # ------------------------------------------------------------------ the decision
+
+    def load(self) -> int:
+        """What this worker publishes: requests plus arriving connections, or ``UNAVAILABLE``."""
+        if not self._serving():
+            return UNAVAILABLE
+        horizon = self._clock() - ARRIVAL_WINDOW_S
+        while self._arriving and next(iter(self._arriving.values())) < horizon:
+            self._arriving.popitem(last=False)
+        return self._requests + len(self._arriving)
+
+    def apply(self) -> bool:
+        """Publish this worker's load, decide, and open or close the listeners (idempotent)."""
+        accepting = self._decide()
+        if accepting != self._accepting:
+            log.debug("accepting: %s (load %d)", accepting, self.load())
+        self._accepting = accepting
+        for listener in self._listeners:
+            listener.set_accepting(accepting)
+        return accepting
+
+    def _decide(self) -> bool:
+        load = self.load()
+        siblings = self._seat.board.siblings(self.slot) if self._seat else []
+        if self._seat:
+            self._seat.board.publish(self.slot, load, len(self._kept))
+        if self._closing:
+            return False
+        least = min((sib_load for sib_load, _ in siblings), default=None)
+        if not self._serving():
+            # failed to load: take connections only when no sibling can, so /readyz tells why
+            return self._failed() and (least is None or least >= UNAVAILABLE)
+        return not self.policy.accept_gate or least is None or load <= least
+
+    def _serving(self) -> bool:
+        return not self._closing and self._readiness is not None and self._readiness.ready
+
+    def _failed(self) -> bool:
+        return self._readiness is not None and self._readiness.load_error is not None
+
+    def _should_shed(self, conn: Any, first: bool) -> bool:
+        """Only a connection kept alive from an earlier request is shed: a new one was just placed by the
+        gate, and shedding it would only bounce it."""
+        if not self.policy.rebalance or self._seat is None or first or conn not in self._kept:
+            return False
+        kept = len(self._kept)
+        fewest = min((k for load, k in self._seat.board.siblings(self.slot) if load < UNAVAILABLE), default=None)
+        return fewest is not None and kept > fewest + 1
+
+    def _tick_forever(self) -> None:
+        while True:
+            self.apply()
+            gevent.sleep(TICK_S)
+
+
+def _hang_up(conn: Any) -> None:
+    """End an idle connection: its reading greenlet sees end-of-file and closes it as usual."""
+    with contextlib.suppress(OSError):
+        conn.shutdown(socket.SHUT_RDWR)

@@ -1,0 +1,102 @@
+"""gunicorn's gevent worker with greenserve's balancing (``worker_class`` in ``gunicorn.conf.py``).
+
+Everything is gunicorn's ``GeventWorker`` except that the worker builds its ``Balance`` from the ``Seat``
+the master gave it, its listeners accept only while the balance says so, every connection and request is
+reported to the balance, and a shutdown signal stops accepting at once (gunicorn's loop notices it up to
+a second later, and served fresh connections meanwhile).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from gevent.server import StreamServer
+from gunicorn.workers import ggevent
+
+from service.balance.board import Seat
+from service.balance.gate import Balance, Policy
+from service.settings import Settings
+
+_current: Balance | None = None
+
+
+def worker_balance() -> Balance | None:
+    """The balance of the gunicorn worker this process is (None outside one): for ``wsgi.py``."""
+    return _current
+
+
+class GatedStreamServer(StreamServer):
+    """A StreamServer whose accepting follows its ``Balance`` (level-triggered, see ``set_accepting``)."""
+
+    def __init__(self, *args: Any, balance: Balance, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._balance = balance
+        self._open = False
+
+    def set_accepting(self, accepting: bool) -> None:
+        """Open or close; safe to call at any time and as often as wanted."""
+        self._open = accepting
+        if not accepting:
+            super().stop_accepting()
+        elif self.started and not self.closed:
+            if self.full():
+                # gevent re-arms accepting through a one-shot link when a pool slot frees; make sure
+                # one is there (unlink first: at most one)
+                self.pool._semaphore.unlink(self._start_accepting_if_started)
+                self.pool._semaphore.rawlink(self._start_accepting_if_started)
+            else:
+                super().start_accepting()
+
+    def start_accepting(self) -> None:
+        # gevent calls this when a pool slot frees or after an accept error's back-off
+        if self._open:
+            super().start_accepting()
+
+    def start(self) -> None:
+        super().start()
+        self._balance.add_listener(self)
+
+    def do_read(self) -> Any:
+        if not self._balance.may_accept():  # closed now: the connection waits in the kernel for a sibling
+            return None
+        accepted = super().do_read()
+        if accepted:
+            self._balance.accepted(accepted[0])  # counted before the next accept can happen
+        return accepted
+
+
+class GreenserveWorker(ggevent.GeventWorker):
+    greenserve_seat: Seat | None = None  # set by gunicorn.conf.py's pre_fork hook
+
+    def init_process(self) -> None:
+        global _current
+        self.balance = _current = Balance(self.greenserve_seat, Policy.from_settings(Settings.from_env()))
+        super().init_process()
+
+    def run(self) -> Any:
+        # GeventWorker.run builds its servers from the module's StreamServer name
+        ggevent.StreamServer = functools.partial(GatedStreamServer, balance=self.balance)
+        return super().run()
+
+    def handle(self, listener: Any, client: Any, addr: Any) -> None:
+        try:
+            super().handle(listener, client, addr)
+        finally:
+            self.balance.closed(client)
+
+    def handle_request(self, listener_name: Any, req: Any, sock: Any, addr: Any) -> None:
+        if self.balance.request_started(sock):
+            req.must_close = True  # gunicorn answers "Connection: close" and closes after the response
+        try:
+            super().handle_request(listener_name, req, sock, addr)
+        finally:
+            self.balance.request_done(sock)
+
+    def handle_quit(self, sig: Any, frame: Any) -> None:
+        self.balance.close()
+        super().handle_quit(sig, frame)
+
+    def handle_exit(self, sig: Any, frame: Any) -> None:
+        self.balance.close()
+        super().handle_exit(sig, frame)

@@ -1,0 +1,236 @@
+"""The balance part on its own: the accept decision, arrivals, the idle cap, rebalancing, and the listening
+server that follows the decision (a real gevent StreamServer with a full pool)."""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass
+
+import gevent
+import gevent.event
+import gevent.pool
+
+from service.balance.board import UNAVAILABLE, LoadBoard, Seat
+from service.balance.gate import ARRIVAL_WINDOW_S, Balance, Policy
+from service.balance.gunicorn_worker import GatedStreamServer
+
+
+@dataclass
+class Engine:
+    ready: bool = True
+    load_error: BaseException | None = None
+
+
+class Listener:
+    def __init__(self) -> None:
+        self.accepting: bool | None = None
+
+    def set_accepting(self, accepting: bool) -> None:
+        self.accepting = accepting
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Conn:
+    def __init__(self) -> None:
+        self.hung_up = False
+
+    def shutdown(self, how: int) -> None:
+        self.hung_up = True
+
+
+def pair(policy: Policy = Policy(), engine: Engine | None = None) -> tuple[Balance, LoadBoard, int, Listener, Clock]:
+    """A balance on slot 0 of a board whose slot 1 is a sibling (its load set by the test)."""
+    board = LoadBoard(slots=4)
+    mine, sibling = board.claim(), board.claim()
+    clock = Clock()
+    balance = Balance(Seat(board, mine), policy, clock=clock)
+    balance._readiness = engine or Engine()
+    listener = Listener()
+    balance.add_listener(listener)
+    board.publish(sibling, 0, 0)
+    return balance, board, sibling, listener, clock
+
+
+def test_a_worker_accepts_only_while_no_sibling_has_less_load() -> None:
+    balance, board, sibling, listener, _ = pair()
+    assert balance.may_accept() and listener.accepting  # equal loads: both accept
+    with balance.inference():
+        assert not listener.accepting  # 1 against 0
+        board.publish(sibling, 1, 0)
+        assert balance.may_accept() and listener.accepting  # asked at the accept: the sibling's load now
+    board.publish(sibling, 3, 0)
+    assert balance.may_accept()
+
+
+def test_a_new_connection_counts_as_load_only_for_the_arrival_window() -> None:
+    balance, board, sibling, listener, clock = pair()
+    balance.accepted(Conn())
+    assert balance.load() == 1 and not listener.accepting
+    clock.now += ARRIVAL_WINDOW_S + 0.01  # an idle connection stops steering clients away
+    assert balance.may_accept() and balance.load() == 0
+    conn = Conn()
+    balance.accepted(conn)
+    balance.request_started(conn)  # its request counts itself (through inference()), not the arrival
+    assert balance.load() == 0
+
+
+def test_without_the_gate_a_worker_accepts_whatever_its_siblings_load() -> None:
+    balance, board, sibling, listener, _ = pair(Policy(accept_gate=False))
+    with balance.inference(), balance.inference():
+        assert balance.may_accept() and listener.accepting
+
+
+def test_a_loading_worker_accepts_nothing_and_siblings_do_not_defer_to_it() -> None:
+    engine = Engine(ready=False)
+    for policy in (Policy(), Policy(accept_gate=False)):
+        balance, board, sibling, listener, _ = pair(policy, engine)
+        assert not balance.may_accept() and not listener.accepting
+        assert board.siblings(sibling) == [(UNAVAILABLE, 0)]
+    engine.ready = True
+    assert balance.may_accept() and board.siblings(sibling) == [(0, 0)]
+
+
+def test_a_worker_whose_model_failed_accepts_only_when_no_sibling_can() -> None:
+    engine = Engine(ready=False, load_error=RuntimeError("bad weights"))
+    balance, board, sibling, listener, _ = pair(engine=engine)
+    assert not balance.may_accept()  # the sibling serves
+    board.publish(sibling, UNAVAILABLE, 0)
+    assert balance.may_accept()  # nobody else can: answer, so /readyz says why
+    alone = Balance(None, Policy())
+    alone._readiness = engine
+    assert alone.may_accept()
+
+
+def test_closing_stops_accepting_at_once() -> None:
+    balance, _, _, listener, _ = pair()
+    balance.close()
+    assert listener.accepting is False and not balance.may_accept()
+
+
+def test_idle_connections_past_the_cap_are_hung_up_oldest_first() -> None:
+    balance, _, _, _, clock = pair(Policy(max_idle=2))
+    busy, kept, idle, new = Conn(), Conn(), Conn(), Conn()
+    balance.accepted(busy)
+    balance.request_started(busy)  # in a request: not idle, never hung up
+    balance.accepted(kept)
+    balance.request_started(kept)
+    balance.request_done(kept)  # kept alive: idle again, the longest waiting
+    clock.now += 1
+    balance.accepted(idle)
+    assert not any(c.hung_up for c in (busy, kept, idle))  # two idle: at the cap
+    balance.accepted(new)
+    assert kept.hung_up and not idle.hung_up and not new.hung_up and not busy.hung_up
+    balance.closed(kept)  # its greenlet saw end-of-file and closed it
+    assert balance.load() == 2  # idle and new are arriving
+
+
+def test_a_worker_keeping_more_connections_than_a_sibling_sheds_one_after_its_response() -> None:
+    balance, board, sibling, _, _ = pair()
+    conns = [Conn() for _ in range(4)]
+    for c in conns:
+        balance.accepted(c)
+        assert not balance.request_started(c)  # a connection's first request is never shed
+        balance.request_done(c)
+    board.publish(sibling, 0, 3)
+    assert not balance.request_started(conns[0])  # 4 against 3: within the slack of 1 ...
+    balance.request_done(conns[0])
+    board.publish(sibling, 0, 0)  # ... a respawned sibling keeps none
+    shed = [balance.request_started(c) for c in conns]
+    assert shed == [True, True, True, False]  # down to 1 kept, one more than the sibling
+    assert not Balance(Seat(board, 0), Policy(rebalance=False)).request_started(conns[3])
+
+
+def test_siblings_idle_is_the_engines_view_of_the_board() -> None:
+    balance, board, sibling, _, _ = pair()
+    assert balance.siblings_idle()
+    board.publish(sibling, 2, 0)
+    assert not balance.siblings_idle()
+    board.release(sibling)
+    assert balance.siblings_idle()
+    assert not Balance(None, Policy()).siblings_idle()  # outside gunicorn nothing is known
+
+
+def _connect(port: int) -> socket.socket:
+    s = socket.create_connection(("127.0.0.1", port), timeout=2)
+    s.sendall(b"x")
+    return s
+
+
+def test_a_server_reopened_while_its_pool_is_full_accepts_again_when_a_slot_frees() -> None:
+    """The wedge: gevent re-arms a full pool's accept with a one-shot link. If the gate was closed when it
+    fired and reopened while the pool was still full, nothing started accepting again."""
+    balance, _, _, _, _ = pair(Policy(accept_gate=False, max_idle=10))
+    release = gevent.event.Event()
+    handled: list[int] = []
+
+    def handle(sock: socket.socket, addr: object) -> None:
+        handled.append(1)
+        release.wait()
+        sock.close()
+
+    server = GatedStreamServer(("127.0.0.1", 0), handle=handle, spawn=gevent.pool.Pool(2), balance=balance)
+    server.start()
+    clients = []
+    try:
+        port = server.server_port
+        clients = [_connect(port) for _ in range(3)]
+        gevent.sleep(0.2)
+        assert len(handled) == 2  # the pool is full; the third waits in the backlog
+        server.set_accepting(False)  # the gate closes ...
+        release.set()
+        gevent.sleep(0.05)  # ... the slots free while it is closed: gevent's one-shot link is spent
+        release.clear()
+        assert len(handled) == 2
+        server.set_accepting(True)
+        gevent.sleep(0.2)
+        assert len(handled) == 3, "the reopened server never accepted the waiting connection"
+        server.set_accepting(False)
+        server.set_accepting(True)  # reopened while full (the third holds a slot, one free): idempotent
+        clients.append(_connect(port))
+        gevent.sleep(0.2)
+        assert len(handled) == 4
+    finally:
+        release.set()
+        for c in clients:
+            c.close()
+        server.stop()
+        balance.stop()
+
+
+def test_a_server_reopened_while_its_pool_is_still_full_accepts_once_a_slot_frees() -> None:
+    balance = Balance(None, Policy(accept_gate=False))
+    balance._readiness = Engine()
+    release = gevent.event.Event()
+    handled: list[int] = []
+
+    def handle(sock: socket.socket, addr: object) -> None:
+        handled.append(1)
+        release.wait()
+        sock.close()
+
+    server = GatedStreamServer(("127.0.0.1", 0), handle=handle, spawn=gevent.pool.Pool(1), balance=balance)
+    server.start()
+    port = server.server_port
+    clients = [_connect(port), _connect(port)]
+    try:
+        gevent.sleep(0.2)
+        assert len(handled) == 1  # full
+        server.set_accepting(False)
+        server.set_accepting(True)  # reopened while full: no accept yet, but a wake-up is linked
+        gevent.sleep(0.05)
+        assert len(handled) == 1
+        release.set()
+        gevent.sleep(0.2)
+        assert len(handled) == 2
+    finally:
+        release.set()
+        for c in clients:
+            c.close()
+        server.stop()
