@@ -6,11 +6,12 @@ BIN    := $(VENV)/bin
 TORCH_PINS := torch==2.14.1 torchvision==0.29.1
 STAMP  := $(VENV)/.installed
 
-.PHONY: serve test compare bench clean help readme
+.PHONY: serve test lint compare clean help readme
 
 help:
 	@echo "make serve    create .venv, install, start gunicorn -k gevent on \$$GREENSERVE_BIND (127.0.0.1:8000)"
 	@echo "make test     create .venv, install, run the test suite"
+	@echo "make lint     ruff (lint + import order) and mypy on service/"
 	@echo "make compare  gevent vs asyncio comparison (QUICK=1 for a short run)"
 
 $(BIN)/python:
@@ -19,7 +20,7 @@ $(BIN)/python:
 
 $(STAMP): $(BIN)/python setup.cfg setup.py
 	$(BIN)/pip install --quiet $(TORCH_PINS)
-	$(BIN)/pip install --quiet -e '.[test,bench]'
+	$(BIN)/pip install --quiet -e '.[test,bench,lint]'
 	touch $(STAMP)
 
 serve: $(STAMP)
@@ -27,6 +28,10 @@ serve: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/mypy
 
 compare: $(STAMP)
 	$(BIN)/python -m bench.compare $(if $(QUICK),--quick,)

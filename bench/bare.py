@@ -127,7 +127,7 @@ class BareProcess:
                     str(album), "--threads", str(threads), "--reps", str(reps)]
         self.proc: subprocess.Popen[str] | None = None
 
-    def __enter__(self) -> "BareProcess":
+    def __enter__(self) -> BareProcess:
         self.proc = subprocess.Popen(self.cmd, cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=subprocess.PIPE, text=True)
         assert self.proc.stdout is not None

@@ -36,10 +36,10 @@ import requests
 
 from bench import bare
 from bench.album import Photo, ensure_album, load_album, render
-from harness.imagehost import ImageHost
-from bench.k6 import run_closed, run_open
-from harness.launch import GunicornServer
+from bench.k6 import run_open
 from bench.report import machine
+from harness.imagehost import ImageHost
+from harness.launch import GunicornServer
 
 OUT = Path("bench/out")
 
@@ -166,7 +166,7 @@ def borrow(model: str, weights: Path, album_dir: Path, names: list[str], host: I
     core, borrowing idle cores), without borrowing, and on one worker with every core; and the bare
     pipeline as 1 process x all threads."""
     b = bare.measure(model, weights, album_dir, processes=1, threads=cores, reps=reps)
-    rows: dict[str, Any] = {"bare 1x%d s" % cores: b["seconds_per_batch"]}
+    rows: dict[str, Any] = {f"bare 1x{cores} s": b["seconds_per_batch"]}
     layouts = ((f"greenserve {cores}x1 borrowing (default)", cores, {}),
                (f"greenserve {cores}x1 share only", cores, {"GREENSERVE_BORROW_IDLE_CORES": "false"}),
                (f"greenserve 1x{cores}", 1, {"GREENSERVE_TORCH_THREADS": str(cores)}))

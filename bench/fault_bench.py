@@ -3,11 +3,12 @@
 A real 2-worker greenserve (resnet18, seeded random weights) under a steady load of 4 clients x 10
 photos from a local image host, all on 127.0.0.1:
 
+- steady:  the load alone, as the reference for the two below
 - flood:   600 idle connections (half a request line each) for 6 s: the steady clients' success and p99,
            /healthz p99, and which workers answer once the flood is gone
 - loris:   a slow loris keeping 600 connections open for 6 s, reopening each one dropped
 - hup:     SIGHUP to the master under the load: failed requests, max latency, seconds to new workers
-- mixed:   8 photos and 2 URLs on a closed port, partial=false: seconds to the 422 (5 tries)
+- mixed:   8 12-MP photos and 2 URLs on a closed port, partial=false: seconds to the 422 (5 tries)
 - gone:    a 40-photo request whose client leaves after 0.5 s: images through the model afterwards
 - respawn: kill -9 of a worker under keep-alive load: the split of requests 10-13 s after its respawn
 
@@ -18,6 +19,7 @@ Prints the command, the machine and a table; writes bench/out/faults.json.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -25,8 +27,9 @@ import socket
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import requests
 
@@ -40,6 +43,7 @@ from harness.launch import ROOT, GunicornServer, free_port
 OUT = Path("bench/out")
 MODEL = "resnet18"
 PHOTOS = [Photo(f"p{i:02d}.jpg", 1024, 768, 1, seed=40 + i) for i in range(10)]
+BIG = [Photo(f"big{i}.jpg", 4000, 3000, 1, seed=60 + i) for i in range(8)]  # 12 MP: the mixed case's good images
 
 
 def steady(names: list[str]) -> Callable[[requests.Session, str], requests.Response]:
@@ -56,8 +60,9 @@ def metric(url: str, name: str) -> float:
 
 
 def under(srv: GunicornServer, names: list[str], fault: Any, seconds: float) -> dict[str, Any]:
-    """The steady load and /healthz probes while ``fault`` (a context manager) is on."""
-    with Load(srv.url, 4, steady(names), duration_s=seconds + 30) as load:
+    """The steady load (a fresh connection per request, as a new client) and /healthz probes while
+    ``fault`` (a context manager) is on."""
+    with Load(srv.url, 4, steady(names), duration_s=seconds + 30, fresh=True, timeout_s=10) as load:
         time.sleep(2.0)
         start = time.monotonic()
         with fault:
@@ -103,13 +108,13 @@ def hup(srv: GunicornServer, names: list[str]) -> dict[str, Any]:
             "p50_s": s["p50_s"], "new_workers_serving_after_s": round(switched, 1) if switched else None}
 
 
-def mixed(srv: GunicornServer, host: ImageHost, names: list[str]) -> dict[str, Any]:
+def mixed(srv: GunicornServer) -> dict[str, Any]:
     closed = f"http://127.0.0.1:{free_port()}/gone.jpg"
     times = []
     for i in range(5):
         t0 = time.monotonic()
-        r = requests.post(srv.url + "/v1/embeddings", json={"images": names[:8] + [closed, f"{closed}?{i}"]},
-                          timeout=60)
+        r = requests.post(srv.url + "/v1/embeddings",
+                          json={"images": [p.name for p in BIG] + [closed, f"{closed}?{i}"]}, timeout=60)
         times.append(time.monotonic() - t0)
         assert r.status_code == 422, r.text
     return {"seconds_to_422": [round(t, 2) for t in times], "median_s": round(sorted(times)[2], 2)}
@@ -150,7 +155,8 @@ def respawn(srv: GunicornServer, names: list[str]) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--root", type=Path, default=ROOT, help="checkout whose server runs (default: this one)")
-    parser.add_argument("--only", nargs="+", default=["flood", "loris", "hup", "mixed", "gone", "respawn"])
+    parser.add_argument("--only", nargs="+",
+                        default=["steady", "flood", "loris", "hup", "mixed", "gone", "respawn"])
     parser.add_argument("--out", type=Path, default=OUT / "faults.json")
     args = parser.parse_args(argv)
     print("$ python -m bench.fault_bench " + " ".join(argv if argv is not None else sys.argv[1:]))
@@ -160,20 +166,23 @@ def main(argv: list[str] | None = None) -> int:
     weights = bare.save_random_weights(MODEL, Path(tempfile.gettempdir()) / f"greenserve-{MODEL}-faults.pt")
     album = {p.name: render(p) for p in PHOTOS}
     names = list(album)
+    album.update({p.name: render(p) for p in BIG})
     doc: dict[str, Any] = {"machine": info, "root": str(args.root)}
     with ImageHost(album) as host:
         env = {"GREENSERVE_MODEL": MODEL, "GREENSERVE_WEIGHTS": str(weights), "GREENSERVE_LOG_LEVEL": "info",
                "GREENSERVE_IMAGE_BASE_URL": host.base_url, "GREENSERVE_FETCH_ALLOW": "127.0.0.1/32"}
         for section in args.only:
             with GunicornServer(env, workers=2, cwd=args.root) as srv:
-                if section == "flood":
+                if section == "steady":
+                    doc[section] = under(srv, names, contextlib.nullcontext(), 6.0)
+                elif section == "flood":
                     doc[section] = under(srv, names, IdleFlood(srv.port, 600), 6.0)
                 elif section == "loris":
                     doc[section] = under(srv, names, _Loris(srv.port, 600), 6.0)
                 elif section == "hup":
                     doc[section] = hup(srv, names)
                 elif section == "mixed":
-                    doc[section] = mixed(srv, host, names)
+                    doc[section] = mixed(srv)
                 elif section == "gone":
                     doc[section] = gone(srv, names)
                 elif section == "respawn":

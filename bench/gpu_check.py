@@ -68,7 +68,8 @@ def gpu_pids() -> set[int]:
 def server_level(weights: Path, host: ImageHost, names: list[str], reference: np.ndarray, workers: int,
                  dtype: str, decode_threads: int = 0, clients: int = CLIENTS) -> dict[str, Any]:
     env = {"GREENSERVE_MODEL": MODEL, "GREENSERVE_WEIGHTS": str(weights), "GREENSERVE_DEVICE": "auto",
-           "GREENSERVE_DTYPE": dtype, "GREENSERVE_DECODE_THREADS": str(decode_threads), "GREENSERVE_IMAGE_BASE_URL": host.base_url, "GREENSERVE_MAX_BATCH": "64",
+           "GREENSERVE_DTYPE": dtype, "GREENSERVE_DECODE_THREADS": str(decode_threads),
+           "GREENSERVE_IMAGE_BASE_URL": host.base_url, "GREENSERVE_MAX_BATCH": "64",
            "GREENSERVE_LOG_LEVEL": "info"}  # launch waits for the "model ready" lines
     with GunicornServer(env, workers=workers, ready_timeout_s=240) as srv:
         devices = set()
@@ -106,7 +107,8 @@ def server_level(weights: Path, host: ImageHost, names: list[str], reference: np
             t.join()
         wall = time.perf_counter() - t0
     health.sort()
-    return {"workers": workers, "clients": clients, "decode_threads": decode_threads or "default", "dtype": dtype, "devices": sorted(devices), "master_holds_cuda": master_on_gpu,
+    return {"workers": workers, "clients": clients, "decode_threads": decode_threads or "default", "dtype": dtype,
+            "devices": sorted(devices), "master_holds_cuda": master_on_gpu,
             "workers_on_gpu": workers_on_gpu, "album_cosine_vs_cpu_min": round(cosine, 6),
             "requests": len(latencies), "images_per_s": round(len(latencies) * len(names) / wall, 1),
             "mean_latency_s": round(statistics.mean(latencies), 3) if latencies else None,

@@ -25,8 +25,8 @@ from pathlib import Path
 
 import requests
 
-from harness.launch import GunicornServer
 from bench.report import machine
+from harness.launch import GunicornServer
 
 MODES = ("export", "plain-cl", "plain")
 
@@ -59,7 +59,8 @@ def weights_files(model: str, directory: Path) -> dict[str, Path]:
 
 def measure(model: str, weights: Path, mode: str, workers: int) -> dict[str, object]:
     env = {"GREENSERVE_MODEL": model, "GREENSERVE_WEIGHTS": str(weights), "GREENSERVE_TORCH_THREADS": "1",
-           "GREENSERVE_CHANNELS_LAST": "false" if mode == "plain" else "true", "GREENSERVE_LOG_LEVEL": "info"}  # launch waits for the "model ready" lines
+           "GREENSERVE_CHANNELS_LAST": "false" if mode == "plain" else "true",
+           "GREENSERVE_LOG_LEVEL": "info"}  # launch waits for the "model ready" lines
     image = "data:image/jpeg;base64," + base64.b64encode(_jpeg()).decode()
     with GunicornServer(env, workers=workers, ready_timeout_s=300) as srv:
         served = set()

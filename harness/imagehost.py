@@ -44,7 +44,7 @@ class _Server(ThreadingHTTPServer):
     allow_reuse_address = True
     request_queue_size = 256
 
-    def __init__(self, host: "ImageHost") -> None:
+    def __init__(self, host: ImageHost) -> None:
         self.host = host
         super().__init__((host.bind, host.port), _Handler)
         if host.tls is not None:
@@ -206,7 +206,7 @@ class ImageHost:
         query = "&".join(f"{k}={v}" for k, v in knobs.items())
         return self.base_url + name + (f"?{query}" if query else "")
 
-    def start(self) -> "ImageHost":
+    def start(self) -> ImageHost:
         self._server = _Server(self)
         self.port = self._server.server_address[1]
         threading.Thread(target=self._server.serve_forever, name="imagehost", daemon=True).start()
@@ -218,7 +218,7 @@ class ImageHost:
             self._server.server_close()
             self._server = None
 
-    def __enter__(self) -> "ImageHost":
+    def __enter__(self) -> ImageHost:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
@@ -240,7 +240,7 @@ class Canary:
         self.port = 0
         self.ipv6 = False
 
-    def start(self) -> "Canary":
+    def start(self) -> Canary:
         v4 = socket.create_server(("127.0.0.1", 0))
         self.port = v4.getsockname()[1]
         self._socks.append(v4)
@@ -272,7 +272,7 @@ class Canary:
                 pass  # not connected: Linux still wakes accept(); close() below releases the port
             sock.close()
 
-    def __enter__(self) -> "Canary":
+    def __enter__(self) -> Canary:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:

@@ -51,7 +51,7 @@ class ServerProcess:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def start(self) -> "ServerProcess":
+    def start(self) -> ServerProcess:
         with open(self.log_path, "wb") as log:  # the child keeps its own copy of the descriptor
             self.proc = subprocess.Popen(self.command(), cwd=self.cwd, env=self.env, stdout=log,
                                          stderr=subprocess.STDOUT)
@@ -77,7 +77,7 @@ class ServerProcess:
                 self.proc.kill()
                 self.proc.wait()
 
-    def __enter__(self) -> "ServerProcess":
+    def __enter__(self) -> ServerProcess:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
@@ -102,7 +102,7 @@ class GunicornServer(ServerProcess):
     def command(self) -> list[str]:
         return [sys.executable, "-m", "gunicorn", "-c", "gunicorn.conf.py", *self.extra_args, "wsgi:app"]
 
-    def __enter__(self) -> "GunicornServer":
+    def __enter__(self) -> GunicornServer:
         self.start()
         return self
 

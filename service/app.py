@@ -42,7 +42,7 @@ def create_app(settings: Settings | None = None, *, model: Model | None = None,
     app.extensions["greenserve"] = {"settings": settings, "runner": runner, "orchestrator": orchestrator,
                                     "balance": balance}
     api.register(app)
-    app.wsgi_app = guard_body(app.wsgi_app)  # type: ignore[method-assign]  # Flask's documented middleware hook
+    app.wsgi_app = guard_body(app.wsgi_app)  # type: ignore[method-assign,assignment]  # Flask's middleware hook
     runner.start()
     balance.start(readiness=runner)
     return app

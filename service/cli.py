@@ -41,6 +41,15 @@ def download_weights(name: str, *, url: str | None = None, verify_hash: bool = T
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _run(argv)
+    except BrokenPipeError:  # the reader went away (``greenserve settings | head``): stop quietly
+        # Python would flush stdout again at exit and fail the same way; point it at /dev/null first
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+
+
+def _run(argv: list[str] | None) -> int:
     parser = argparse.ArgumentParser(prog="greenserve", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     dl = sub.add_parser("download-weights", help="download pretrained weights into the torch cache")

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import contextlib
 import socket
-from typing import Any, Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 import gevent
 from gevent.socket import wait_read

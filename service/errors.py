@@ -1,11 +1,14 @@
 """The error tree. Every failure a caller can cause or see is one of these; one handler maps them to HTTP.
 
-    GreenserveError (500 internal_error)
-    ├── RequestError (400)            malformed request: invalid_json, invalid_request, malformed_body ...
+    GreenserveError (500 internal_error; http_error for another framework status)
+    ├── RequestError (400)            invalid_request, invalid_json, malformed_body, task_not_supported
     ├── Unauthorized (401)            unauthorized
+    ├── NotFound (404)                not_found: no such route
+    ├── MethodNotAllowed (405)        method_not_allowed
     ├── PayloadTooLarge (413)         body_too_large, too_many_images
     ├── UnsupportedMediaType (415)    unsupported_content_type
-    ├── ImageError (422)              one image is unusable; carried per image in ``details``/``errors``
+    ├── ImageError (422)              invalid_data_url; one image is unusable, carried per image in
+    │   │                             ``details`` / ``errors``
     │   ├── ImageTooLarge (413)       image_too_large (bytes or pixels)
     │   ├── UnsupportedImage (415)    unsupported_image_format
     │   ├── NotAnImage                not_an_image, empty_image, truncated_image, invalid_image
@@ -49,6 +52,16 @@ class RequestError(GreenserveError):
 class Unauthorized(GreenserveError):
     status_code = 401
     code = "unauthorized"
+
+
+class NotFound(GreenserveError):
+    status_code = 404
+    code = "not_found"
+
+
+class MethodNotAllowed(GreenserveError):
+    status_code = 405
+    code = "method_not_allowed"
 
 
 class PayloadTooLarge(GreenserveError):
@@ -124,6 +137,21 @@ class ClientGone(GreenserveError):
 class InferenceFailed(GreenserveError):
     status_code = 500
     code = "inference_failed"
+
+
+_BY_STATUS: dict[int, type[GreenserveError]] = {
+    400: RequestError, 401: Unauthorized, 404: NotFound, 405: MethodNotAllowed, 413: PayloadTooLarge,
+    415: UnsupportedMediaType}
+
+
+def from_http_status(status: int, message: str) -> GreenserveError:
+    """The tree's error for an HTTP error raised by the framework (routing, body limits, bad framing)."""
+    cls = _BY_STATUS.get(status)
+    if cls is not None:
+        return cls(message)
+    err = GreenserveError(message, code="http_error")
+    err.status_code = status
+    return err
 
 
 def image_error_item(index: int, image: str, err: ImageError) -> dict[str, Any]:

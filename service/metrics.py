@@ -11,14 +11,19 @@ from __future__ import annotations
 
 import os
 
-from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram,
-                               generate_latest)
-from prometheus_client import multiprocess
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+    multiprocess,
+)
 
 ENV = "PROMETHEUS_MULTIPROC_DIR"
 # Seconds; from a 1-image request on a GPU to a 64-image resnet50 batch on 2 CPU cores.
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80)
-STAGES = ("fetch", "decode", "queue", "inference", "total")
 
 REQUESTS = Counter("greenserve_requests_total", "HTTP requests by route and status", ["route", "status"])
 STAGE_SECONDS = Histogram("greenserve_stage_seconds", "Per-request wall time of each pipeline stage",

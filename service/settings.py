@@ -10,8 +10,9 @@ import dataclasses
 import ipaddress
 import os
 import re
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any
 from urllib.parse import urlsplit
 
 ENV_PREFIX = "GREENSERVE_"
@@ -98,7 +99,7 @@ class Settings:
                                  "started), so concurrent requests spread over the workers", parse="bool")
     worker_connections: int = _setting(1000, "connections one worker holds at once (gunicorn worker_connections), "
                                        "requests in progress and idle ones together", parse="int", lo=2, hi=100_000)
-    max_idle_connections: int = _setting(128, "connections per worker waiting for a request (new or kept alive); "
+    max_idle_connections: int = _setting(512, "connections per worker waiting for a request (new or kept alive); "
                                          "past it the longest-waiting one is closed, so idle or slow clients "
                                          "cannot fill the worker", parse="int", lo=1, hi=100_000)
     keepalive_s: int = _setting(5, "how long a connection may wait for its next request, and how long a "

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import threading
-from typing import Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 import torch

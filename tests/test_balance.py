@@ -45,12 +45,12 @@ class Conn:
         self.hung_up = True
 
 
-def pair(policy: Policy = Policy(), engine: Engine | None = None) -> tuple[Balance, LoadBoard, int, Listener, Clock]:
+def pair(policy: Policy | None = None, engine: Engine | None = None) -> tuple[Balance, LoadBoard, int, Listener, Clock]:
     """A balance on slot 0 of a board whose slot 1 is a sibling (its load set by the test)."""
     board = LoadBoard(slots=4)
     mine, sibling = board.claim(), board.claim()
     clock = Clock()
-    balance = Balance(Seat(board, mine), policy, clock=clock)
+    balance = Balance(Seat(board, mine), policy or Policy(), clock=clock)
     balance._readiness = engine or Engine()
     listener = Listener()
     balance.add_listener(listener)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 
 import gevent
 import numpy as np
@@ -11,7 +12,8 @@ import pytest
 from gevent.threadpool import ThreadPool
 
 from service.engine import batcher
-from service.engine.batcher import GATHER_WHILE_DECODING, Batcher
+from service.engine.batcher import Batcher, Row
+from service.engine.scheduling import Gather
 from service.errors import DeadlineExceeded, InferenceFailed
 
 
@@ -41,6 +43,23 @@ class Request:
         self.cancelled = False
 
 
+class Policy:
+    """A scheduling answer fixed by the test (the real one is ``scheduling.Scheduler``)."""
+
+    def __init__(self, upstream: Callable[[], int], gather: Gather = Gather.NO) -> None:
+        self._upstream, self._gather = upstream, gather
+        self.taken_calls = 0
+
+    def upstream(self) -> int:
+        return self._upstream()
+
+    def gather(self) -> Gather:
+        return self._gather
+
+    def taken(self) -> None:
+        self.taken_calls += 1
+
+
 def pixel(v: int) -> np.ndarray:
     return np.full((2, 2, 3), v, np.uint8)
 
@@ -62,7 +81,7 @@ def test_concurrent_requests_get_their_own_rows_in_order() -> None:
 
     jobs = [gevent.spawn(request, base) for base in (0, 10, 20, 30, 40, 50)]
     gevent.joinall(jobs, raise_error=True)
-    for base, job in zip((0, 10, 20, 30, 40, 50), jobs):
+    for base, job in zip((0, 10, 20, 30, 40, 50), jobs, strict=True):
         assert job.value == [base + i for i in range(5)]
     assert max(fwd.sizes) > 1, "concurrent images were never batched together"
     assert len(fwd.threads) == 1, "the model must only ever run on one thread"
@@ -88,8 +107,11 @@ def test_without_cross_request_batching_a_forward_holds_one_request() -> None:
         return original(batch)
 
     b._run_batch = spy  # type: ignore[method-assign]
-    jobs = [gevent.spawn(lambda base=base, group=Request(): [r.get() for r in [b.submit(pixel(base + i), group=group) for i in range(3)]])
-            for base in (10, 20, 30)]
+    def request(base: int) -> list[Row]:
+        group = Request()
+        return [r.get() for r in [b.submit(pixel(base + i), group=group) for i in range(3)]]
+
+    jobs = [gevent.spawn(request, base) for base in (10, 20, 30)]
     gevent.joinall(jobs, raise_error=True)
     assert all(len(groups) == 1 for groups in seen)
     b.stop()
@@ -146,7 +168,7 @@ def test_earlier_requests_images_go_first_whatever_order_they_arrive_in() -> Non
 
 def test_nothing_upstream_means_no_wait_for_a_fuller_batch() -> None:
     fwd = Forward(delay_s=0)
-    b = make(fwd, max_wait_s=5.0, upstream=lambda: 0)
+    b = make(fwd, max_wait_s=5.0, policy=Policy(lambda: 0))
     t0 = time.monotonic()
     assert b.submit(pixel(3)).get(timeout=2).features[0] == 3
     assert time.monotonic() - t0 < 1.0, "a lone image waited for images that could not come"
@@ -156,7 +178,7 @@ def test_nothing_upstream_means_no_wait_for_a_fuller_batch() -> None:
 def test_images_still_upstream_are_waited_for_up_to_max_wait() -> None:
     fwd = Forward(delay_s=0)
     upstream = [1]
-    b = make(fwd, max_wait_s=5.0, upstream=lambda: upstream[0])
+    b = make(fwd, max_wait_s=5.0, policy=Policy(lambda: upstream[0]))
     first = b.submit(pixel(1))
     gevent.sleep(0.05)
     upstream[0] = 0
@@ -183,7 +205,7 @@ def test_gathering_batch_waits_past_max_wait_while_its_images_keep_arriving() ->
     """A lone worker's batch: a request's images arriving 20 ms apart (4x max_wait) go as one forward."""
     fwd = Forward(delay_s=0)
     request = Request(upstream=6)
-    b = make(fwd, max_wait_s=0.005, upstream=lambda: request.upstream, gather=lambda: True)
+    b = make(fwd, max_wait_s=0.005, policy=Policy(lambda: request.upstream, Gather.BRIDGE_GAPS))
     results = feed_one_request(b, request, 6, 0.02)
     assert [r.get(timeout=2).features[0] for r in results] == list(range(6))
     assert fwd.sizes == [6]
@@ -192,7 +214,7 @@ def test_gathering_batch_waits_past_max_wait_while_its_images_keep_arriving() ->
 
 def test_gathering_batch_goes_when_arrivals_stall() -> None:
     fwd = Forward(delay_s=0)
-    b = make(fwd, max_wait_s=0.005, upstream=lambda: 1, gather=lambda: True)  # one image never comes
+    b = make(fwd, max_wait_s=0.005, policy=Policy(lambda: 1, Gather.BRIDGE_GAPS))  # one image never comes
     t0 = time.monotonic()
     assert b.submit(pixel(4), group=Request(upstream=1)).get(timeout=2).features[0] == 4
     waited = time.monotonic() - t0
@@ -203,7 +225,7 @@ def test_gathering_batch_goes_when_arrivals_stall() -> None:
 def test_a_gathering_batch_goes_after_gather_max_s_however_busy_decode_is(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(batcher, "GATHER_MAX_S", 0.2)
     fwd = Forward(delay_s=0)
-    b = make(fwd, max_wait_s=0.005, upstream=lambda: 1, gather=lambda: GATHER_WHILE_DECODING)
+    b = make(fwd, max_wait_s=0.005, policy=Policy(lambda: 1, Gather.WHILE_DECODING))
     t0 = time.monotonic()
     assert b.submit(pixel(4), group=Request(upstream=1)).get(timeout=3).features[0] == 4
     waited = time.monotonic() - t0
@@ -215,7 +237,7 @@ def test_a_stream_of_small_requests_is_not_held_back_by_gathering() -> None:
     """Only a batch whose own request has images on their way gathers: one-image requests arriving
     every 20 ms while others are always upstream each go after max_wait, not in one late batch."""
     fwd = Forward(delay_s=0)
-    b = make(fwd, max_wait_s=0.005, upstream=lambda: 1, gather=lambda: True)
+    b = make(fwd, max_wait_s=0.005, policy=Policy(lambda: 1, Gather.BRIDGE_GAPS))
 
     def feed() -> list:
         results = []
@@ -249,10 +271,10 @@ def test_a_request_with_images_on_their_way_gets_batches_of_its_own() -> None:
 def test_while_decode_is_busy_a_gathering_batch_waits_out_longer_gaps() -> None:
     """Big photos decode slower than the gap: while the worker's decode threads are busy, the batch
     waits for its request's next image (up to GATHER_MAX_S); with decode idle it would have gone."""
-    for gather, expected in ((GATHER_WHILE_DECODING, [3]), (1, [1, 1, 1])):
+    for gather, expected in ((Gather.WHILE_DECODING, [3]), (Gather.BRIDGE_GAPS, [1, 1, 1])):
         fwd = Forward(delay_s=0)
         request = Request(upstream=3)
-        b = make(fwd, max_wait_s=0.005, upstream=lambda: request.upstream, gather=lambda: gather)
+        b = make(fwd, max_wait_s=0.005, policy=Policy(lambda request=request: request.upstream, gather))
         results = feed_one_request(b, request, 3, 0.12)
         assert [r.get(timeout=2).features[0] for r in results] == [0, 1, 2]
         assert fwd.sizes == expected, (gather, fwd.sizes)

@@ -1,5 +1,8 @@
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -37,3 +40,15 @@ def test_settings_error_exits_2(monkeypatch: pytest.MonkeyPatch, capsys: pytest.
     monkeypatch.setenv("GREENSERVE_WORKERS", "many")
     assert cli.main(["settings"]) == 2
     assert "GREENSERVE_WORKERS" in capsys.readouterr().err
+
+
+def test_a_closed_pipe_ends_the_cli_quietly() -> None:
+    """``greenserve settings | head``: the reader leaves early (``true`` reads nothing at all)."""
+    cli_path = Path(sys.executable).parent / "greenserve"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GREENSERVE_")}
+    out = subprocess.run(f"{cli_path} settings | true", shell=True, capture_output=True, text=True, env=env,
+                         timeout=60)
+    assert "Traceback" not in out.stderr and "BrokenPipe" not in out.stderr, out.stderr
+    head = subprocess.run(f"{cli_path} settings --markdown | head -1", shell=True, capture_output=True, text=True,
+                          env=env, timeout=60)
+    assert head.stdout.startswith("| variable |") and "Traceback" not in head.stderr

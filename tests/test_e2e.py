@@ -52,10 +52,10 @@ def test_classify_top_k_sorted_with_imagenet_names(server: GunicornServer) -> No
     r = post(server, "/v1/classify", json={"images": ["img002.jpg"], "top_k": 4})
     labels = r.json()["data"][0]["labels"]
     assert len(labels) == 4
-    assert [l["score"] for l in labels] == sorted((l["score"] for l in labels), reverse=True)
+    assert [item["score"] for item in labels] == sorted((item["score"] for item in labels), reverse=True)
     imagenet = requests.get(server.url + "/v1/models", timeout=TIMEOUT).json()["data"][0]
     assert imagenet["labels_count"] == 1000
-    assert all(isinstance(l["label"], str) and not l["label"].startswith("class_") for l in labels)
+    assert all(isinstance(item["label"], str) and not item["label"].startswith("class_") for item in labels)
 
 
 def test_all_input_modes_agree(server: GunicornServer, image_host: ImageHost, album: dict[str, bytes]) -> None:

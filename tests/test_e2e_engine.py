@@ -9,8 +9,8 @@ import re
 import socket
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 import requests

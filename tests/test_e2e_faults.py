@@ -10,8 +10,8 @@ import os
 import signal
 import socket
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 import requests
@@ -38,6 +38,7 @@ def images_through_model(server: GunicornServer) -> float:
 @pytest.fixture(scope="module")
 def faults_server(weights_file: Path, image_host: ImageHost) -> Iterator[GunicornServer]:
     env = e2e_env(weights_file, image_host, GREENSERVE_MAX_BATCH="4", GREENSERVE_FETCH_TIMEOUT_S="15",
+                  GREENSERVE_MAX_IDLE_CONNECTIONS="128",  # below the floods: the cap's closing runs too
                   GREENSERVE_FETCH_ALLOW="127.0.0.1/32")  # lets a URL on a closed local port fail by connecting
     with GunicornServer(env, workers=2) as srv:
         yield srv

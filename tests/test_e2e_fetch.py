@@ -7,7 +7,8 @@ another loopback port counts connections: it must see none, however the blocked 
 from __future__ import annotations
 
 import time
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import requests

@@ -13,8 +13,8 @@ import socket
 import ssl
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import gevent
 import pytest

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import ipaddress
 import socket
-from typing import Sequence
+from collections.abc import Sequence
 
 import pytest
 
@@ -47,8 +47,8 @@ def test_numeric_spellings_out_of_range_are_invalid_url(spelling: str) -> None:
     assert info.value.code == "invalid_url"
 
 
-@pytest.mark.parametrize("host, expected", [("[::FFFF:127.0.0.1]", "::ffff:7f00:1"), ("Images.Example.COM.", "images.example.com"),
-                                            ("[0:0:0:0:0:0:0:1]", "::1")])
+@pytest.mark.parametrize("host, expected", [("[::FFFF:127.0.0.1]", "::ffff:7f00:1"),
+                                            ("Images.Example.COM.", "images.example.com"), ("[0:0:0:0:0:0:0:1]", "::1")])
 def test_hosts_are_normalised(host: str, expected: str) -> None:
     assert normalise_host(host) == expected
 

@@ -23,9 +23,10 @@ import json
 import logging
 import os
 import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Awaitable, Callable, Sequence
+from typing import Any
 from urllib.parse import urljoin
 
 import httpx

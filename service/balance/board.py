@@ -18,12 +18,14 @@ class LoadBoard:
         self._alive = multiprocessing.RawArray("b", slots)
         self._load = multiprocessing.RawArray("i", slots)
         self._kept = multiprocessing.RawArray("i", slots)
+        self._top = multiprocessing.RawValue("i", 0)  # slots in use are below this: reads scan only those
 
     def claim(self) -> int:
         """Master, before fork: the first free slot, marked alive and unavailable until its model is ready."""
         for i in range(len(self._alive)):
             if not self._alive[i]:
                 self._alive[i], self._load[i], self._kept[i] = 1, UNAVAILABLE, 0
+                self._top.value = max(self._top.value, i + 1)
                 return i
         raise RuntimeError(f"more than {len(self._alive)} live workers")
 
@@ -36,7 +38,7 @@ class LoadBoard:
 
     def siblings(self, slot: int) -> list[tuple[int, int]]:
         """(load, kept connections) of every other live worker."""
-        return [(self._load[i], self._kept[i]) for i in range(len(self._alive)) if i != slot and self._alive[i]]
+        return [(self._load[i], self._kept[i]) for i in range(self._top.value) if i != slot and self._alive[i]]
 
 
 @dataclass(frozen=True)

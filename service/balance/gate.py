@@ -23,8 +23,9 @@ import logging
 import socket
 import time
 from collections import OrderedDict
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Iterator, Protocol
+from typing import Any, Protocol
 
 import gevent
 
@@ -58,7 +59,7 @@ class Readiness(Protocol):
 @dataclass(frozen=True)
 class Policy:
     accept_gate: bool = True
-    max_idle: int = 100
+    max_idle: int = 512
     rebalance: bool = True
 
     @classmethod

@@ -9,18 +9,20 @@ passed while queued are dropped before they reach the model.
 
 from __future__ import annotations
 
-import logging
-import time
 import heapq
 import itertools
+import logging
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Protocol, Sequence
+from typing import Protocol
 
 import gevent
 import numpy as np
 from gevent.event import AsyncResult, Event
 from gevent.threadpool import ThreadPool
 
+from service.engine.scheduling import Gather
 from service.errors import DeadlineExceeded, InferenceFailed
 
 log = logging.getLogger(__name__)
@@ -28,7 +30,6 @@ log = logging.getLogger(__name__)
 # Forward function: a uint8 (N, H, W, 3) batch → (features or None, logits), row i for image i.
 RunBatch = Callable[[np.ndarray], tuple]
 GATHER_GAP_S = 0.05  # with decode idle, a gathering batch goes once no image has arrived for this long
-GATHER_WHILE_DECODING = 2  # what ``gather`` returns while the worker's decode threads are busy
 GATHER_MAX_S = 2.0  # a gathering batch goes after this long whatever comes (a bound, not a tuning)
 
 
@@ -40,6 +41,16 @@ class Group(Protocol):
 
     @property
     def cancelled(self) -> bool: ...  # the request ended: its images are not worth a forward
+
+
+class Policy(Protocol):
+    """What the batcher asks of the worker's scheduling (``scheduling.Scheduler``)."""
+
+    def upstream(self) -> int: ...  # admitted images still being fetched or decoded
+
+    def gather(self) -> Gather: ...  # whether a batch whose request has images on their way waits for them
+
+    def taken(self) -> None: ...  # images just left the queue for a batch
 
 
 @dataclass(frozen=True)
@@ -68,15 +79,11 @@ class BatchStats:
     """Running figures the runner uses for Retry-After and metrics."""
 
     batches: int = 0
-    images: int = 0
     seconds_per_image: float = 0.05  # refined by an exponential average of real batches
-    last_batch_size: int = 0
     on_batch: Callable[[int, float], None] | None = None
 
     def record(self, n: int, seconds: float) -> None:
         self.batches += 1
-        self.images += n
-        self.last_batch_size = n
         per_image = seconds / max(1, n)
         self.seconds_per_image = per_image if self.batches == 1 else 0.8 * self.seconds_per_image + 0.2 * per_image
         if self.on_batch:
@@ -85,25 +92,15 @@ class BatchStats:
 
 class Batcher:
     def __init__(self, run_batch: RunBatch, pool: ThreadPool, *, max_batch: int, max_wait_s: float,
-                 across_requests: bool = True, upstream: Callable[[], int] | None = None,
-                 gather: Callable[[], int] | None = None, on_take: Callable[[], None] | None = None) -> None:
+                 across_requests: bool = True, policy: Policy | None = None) -> None:
         self._run_batch = run_batch
         self._pool = pool
         self.max_batch = max_batch
         self.max_wait_s = max_wait_s
         # False: a forward only holds images of one request (with max_wait_s=0: exactly the plain lock)
         self.across_requests = across_requests
-        # images admitted but still being fetched or decoded: when there are none, a non-full batch goes
-        # at once instead of waiting max_wait_s for images that cannot come
-        self._upstream = upstream
-        # truthy while the forward would run on every core (a lone worker): then a batch whose request
-        # still has images on their way keeps gathering them, as long as decode is busy
-        # (GATHER_WHILE_DECODING) or they keep coming (gaps under GATHER_GAP_S), so decode and torch do
-        # not fight for the cores and one big forward runs after decode instead of small ones stalled
-        # by it. Images that trickle in from a slow host (decode idle, longer gaps) are not held back.
-        self._gather = gather
-        self._on_take = on_take  # called when images leave the queue for a batch (the runner's decode
-        # lookahead waits on ``queued_before``)
+        # None (unit tests): a non-full batch waits max_wait_s for more, and never gathers
+        self._policy = policy
         self._last_submit = 0.0
         # Images are served in the order their *requests* arrived, not the order their bytes did:
         # concurrent requests' images arrive interleaved (fetches overlap), and serving them in that
@@ -114,10 +111,6 @@ class Batcher:
         self._arrived = Event()
         self._loop: gevent.Greenlet | None = None
         self.stats = BatchStats()
-
-    @property
-    def queued(self) -> int:
-        return len(self._items)
 
     def queued_before(self, arrived: float) -> int:
         """Queued images of requests that arrived before ``arrived``."""
@@ -177,7 +170,7 @@ class Batcher:
             if item is not None:
                 batch.append(self._take(item))
                 continue
-            if self._upstream is not None and self._upstream() <= 0:
+            if self._policy is not None and self._policy.upstream() <= 0:
                 break
             if self._items and self._items[0][0][0] < first.rank[0]:
                 # an earlier request's image came: it leads the next batch. Waiting on would also risk
@@ -185,11 +178,11 @@ class Batcher:
                 break
             now = time.monotonic()
             remaining = until - now
-            if self._gather is not None and _upstream(first.group) > 0:
-                gather = self._gather()
-                if gather == GATHER_WHILE_DECODING:  # its next image is being decoded: wait for it
+            if self._policy is not None and _upstream(first.group) > 0:
+                gather = self._policy.gather()
+                if gather is Gather.WHILE_DECODING:  # its next image is being decoded: wait for it
                     remaining = max(remaining, GATHER_GAP_S)
-                elif gather:  # decode idle for now (the fetch is behind): bridge short gaps only
+                elif gather is Gather.BRIDGE_GAPS:  # decode idle for now (the fetch is behind)
                     remaining = max(remaining, self._last_submit + GATHER_GAP_S - now)
                 remaining = min(remaining, max(until, gather_until) - now)
             if remaining <= 0:
@@ -199,8 +192,8 @@ class Batcher:
         return batch
 
     def _take(self, item: _Item) -> _Item:
-        if self._on_take is not None:
-            self._on_take()
+        if self._policy is not None:
+            self._policy.taken()
         return item
 
     def _exclusive(self, group: Group | None) -> bool:

@@ -101,7 +101,7 @@ class LoadedModel:
 class EmbedClassify(nn.Module):
     """A torchvision classifier split at its last Linear: ``forward(x) -> (features, logits)``."""
 
-    def __init__(self, backbone: nn.Module, head: nn.Module, head_name: str) -> None:
+    def __init__(self, backbone: nn.Module, head: nn.Linear, head_name: str) -> None:
         super().__init__()
         self.backbone = backbone
         self.head = head
@@ -129,6 +129,27 @@ def resolve_device(device: str, worker_ordinal: int = 0) -> torch.device:
     return torch.device("cpu")
 
 
+def _module_for(name: str, weights: str, device: torch.device) -> tuple[nn.Module, str, str]:
+    """The module for a weights mode: (module, where its weights came from, torchvision | torchscript)."""
+    if weights in ("auto", "imagenet"):
+        cached = cached_weights_path(name)
+        if cached is None and weights == "imagenet":
+            raise ModelLoadError(f"no pretrained {name} file in the torch cache ({torch.hub.get_dir()}); run "
+                                 f"`greenserve download-weights {name}` on a machine with internet")
+        if cached is None:
+            log.warning("NO PRETRAINED WEIGHTS for %s in %s: serving RANDOM weights (outputs are "
+                        "meaningless). Run `greenserve download-weights %s` or set GREENSERVE_WEIGHTS.",
+                        name, torch.hub.get_dir(), name)
+            return _random_model(name), "random", "torchvision"
+        return _from_state_dict(name, _load_state_dict(cached)), "imagenet", "torchvision"
+    if weights == "random":
+        log.warning("GREENSERVE_WEIGHTS=random: %s serves random weights (outputs are meaningless)", name)
+        return _random_model(name), weights, "torchvision"
+    if is_torchscript(weights):
+        return _load_torchscript(weights, device), weights, "torchscript"
+    return _from_state_dict(name, _load_state_dict(weights)), weights, "torchvision"
+
+
 def load_model(name: str, weights: str, *, device: torch.device | None = None, channels_last: bool = True,
                dtype: torch.dtype = torch.float32) -> LoadedModel:
     """Load ``name`` with ``weights`` = auto | imagenet | random | path (state dict or TorchScript)."""
@@ -140,29 +161,10 @@ def load_model(name: str, weights: str, *, device: torch.device | None = None, c
     enum = get_model_weights(name).DEFAULT
     transform = transform_of(enum)
     labels = tuple(enum.meta["categories"])
-    source, fmt = weights, "torchvision"
-    if weights in ("auto", "imagenet"):
-        cached = cached_weights_path(name)
-        if cached is None and weights == "imagenet":
-            raise ModelLoadError(f"no pretrained {name} file in the torch cache ({torch.hub.get_dir()}); run "
-                                 f"`greenserve download-weights {name}` on a machine with internet")
-        if cached is None:
-            log.warning("NO PRETRAINED WEIGHTS for %s in %s: serving RANDOM weights (outputs are "
-                        "meaningless). Run `greenserve download-weights %s` or set GREENSERVE_WEIGHTS.",
-                        name, torch.hub.get_dir(), name)
-            module, source = _random_model(name), "random"
-        else:
-            module, source = _from_state_dict(name, _load_state_dict(cached)), "imagenet"
-    elif weights == "random":
-        log.warning("GREENSERVE_WEIGHTS=random: %s serves random weights (outputs are meaningless)", name)
-        module = _random_model(name)
-    elif is_torchscript(weights):
-        module, fmt = _load_torchscript(weights, device), "torchscript"
-    else:
-        module = _from_state_dict(name, _load_state_dict(weights))
+    module, source, fmt = _module_for(name, weights, device)
     if fmt == "torchvision":
-        module = split_head(module)
-        n_out = module.head.out_features
+        split = split_head(module)
+        module, n_out = split, split.head.out_features
         if n_out != len(labels):
             labels = tuple(f"class_{i}" for i in range(n_out))
     module.eval()
@@ -240,7 +242,9 @@ def split_head(model: nn.Module) -> EmbedClassify:
     last = _last_linear_name(model)
     if last is None:
         raise ModelLoadError(f"{type(model).__name__} has no Linear classifier head; embeddings need one")
-    return EmbedClassify(model, _swap(model, last, nn.Identity()), last)
+    head = _swap(model, last, nn.Identity())
+    assert isinstance(head, nn.Linear)  # what _last_linear_name found
+    return EmbedClassify(model, head, last)
 
 
 def _last_linear_name(model: nn.Module) -> str | None:

@@ -24,9 +24,10 @@ import logging
 import random
 import time
 import zlib
+from collections.abc import Iterator, Sequence
 from datetime import timezone
 from http.cookiejar import DefaultCookiePolicy
-from typing import Iterator, Protocol, Sequence
+from typing import Protocol
 from urllib.parse import urljoin, urlsplit
 
 import gevent
@@ -203,12 +204,7 @@ class HttpFetcher:
                 received += len(chunk)
                 if received > cap:
                     raise _too_large(received, cap, more=True)
-                if decoder is not None:  # max_length: a bomb never inflates past the cap in memory
-                    piece = decoder.decompress(chunk, cap + 1 - size)
-                    if decoder.unconsumed_tail:
-                        raise _too_large(size + len(piece), cap, more=True)
-                else:
-                    piece = chunk
+                piece = _inflate(decoder, chunk, size, cap)
                 parts.append(piece)
                 size += len(piece)
                 if size > cap:
@@ -277,7 +273,17 @@ def _backoff(attempt: int) -> float:
     return min(BACKOFF_CAP_S, BACKOFF_BASE_S * 2 ** attempt) * random.uniform(0.5, 1.5)
 
 
-def _decoder(header: str) -> zlib._Decompress | None:  # type: ignore[name-defined]
+def _inflate(decoder: zlib._Decompress | None, chunk: bytes, size: int, cap: int) -> bytes:
+    """One chunk of the body as the image's bytes; ``max_length``: a bomb never inflates past the cap."""
+    if decoder is None:
+        return chunk
+    piece = decoder.decompress(chunk, cap + 1 - size)
+    if decoder.unconsumed_tail:
+        raise _too_large(size + len(piece), cap, more=True)
+    return piece
+
+
+def _decoder(header: str) -> zlib._Decompress | None:
     codings = [c.strip().lower() for c in header.split(",") if c.strip().lower() not in ("", "identity")]
     if not codings:
         return None

@@ -11,8 +11,9 @@ import base64
 import binascii
 import json
 import re
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any
 from urllib.parse import urljoin, urlsplit
 
 from service.errors import FetchError, ImageError, ImageTooLarge, PayloadTooLarge, RequestError

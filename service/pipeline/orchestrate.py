@@ -14,22 +14,26 @@ request; stages overlap (image 2 is fetched while image 1 is decoded), so they n
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import gevent
 import gevent.pool
 import numpy as np
 
 from service.engine.batcher import Row
-from service.engine.runner import Admission, Runner
+from service.engine.model import ModelInfo
+from service.engine.runner import Runner
+from service.engine.scheduling import Admission
+from service.engine.transform import Transform
 from service.errors import DeadlineExceeded, ImageError, ImagesFailed, image_error_item
 from service.pipeline import postprocess
 from service.pipeline.decode import decode_image
 from service.pipeline.fetch import Fetcher
 from service.pipeline.inputs import ImageRef, InferenceRequest
-from service.engine.transform import Transform
 from service.pipeline.preprocess import preprocess
+
 
 @dataclass
 class _Spans:
@@ -56,6 +60,7 @@ class _Work:
     """One request's work in progress, shared by its greenlets."""
 
     admission: Admission
+    info: ModelInfo
     spans: _Spans
     outcomes: dict[int, Row | ImageError]
     deadline: float
@@ -91,18 +96,20 @@ class Orchestrator:
         outcomes: dict[int, Row | ImageError] = {r.index: r.error for r in req.refs if r.error is not None}
         if outcomes and not req.partial:
             self._fail(req, outcomes)  # refused at parsing: no work is worth starting
-        with self.runner.admit(len(req.refs), arrived=spans.started) as admission:
-            admission.settle(len(outcomes))  # refused at parsing: they never come
+        with self.runner.admit(len(req.refs), coming=len(req.refs) - len(outcomes),
+                               arrived=spans.started) as admission:
+            info = self.runner.info
+            assert info is not None  # admitted: the model is ready
+            work = _Work(admission, info, spans, outcomes, deadline, gevent.getcurrent())
             timeout = gevent.Timeout(max(0.0, deadline - time.monotonic()),
                                      DeadlineExceeded("the request deadline passed; retry with fewer images or "
                                                       "a longer X-Request-Timeout"))
             try:
                 with timeout:
-                    self._process(req, _Work(admission, spans, outcomes, deadline, gevent.getcurrent()),
-                                  request_id)
+                    self._process(req, work, request_id)
             except _ImageFailed:
                 self._fail(req, outcomes)
-        return self._respond(req, task, outcomes, spans)
+        return self._respond(req, task, info, outcomes, spans)
 
     def _process(self, req: InferenceRequest, work: _Work, request_id: str) -> None:
         group = gevent.pool.Group()
@@ -112,41 +119,43 @@ class Orchestrator:
                     group.spawn(self._image, req, ref, ref.data, work)
             remote = [r for r in req.refs if r.url is not None and r.error is None]
             if remote:
-                self.runner.wait_to_fetch(work.admission)
+                self.runner.scheduling.wait_to_fetch(work.admission)
                 fetch_start = time.monotonic()
-                for i, result in self.fetcher.fetch_many([r.url for r in remote], deadline=work.deadline,
+                urls = [r.url for r in remote if r.url is not None]  # all of them: mypy cannot see it
+                for i, result in self.fetcher.fetch_many(urls, deadline=work.deadline,
                                                          request_id=request_id):
                     work.spans.add("fetch", fetch_start, time.monotonic())
-                    if isinstance(result, ImageError):
-                        work.outcomes[remote[i].index] = result
-                        work.admission.settle()
-                        if not req.partial:
-                            raise _ImageFailed()
-                    else:
-                        group.spawn(self._image, req, remote[i], result, work)
+                    group.spawn(self._image, req, remote[i], result, work)
             group.join(raise_error=True)
         finally:
             group.kill()
 
-    def _image(self, req: InferenceRequest, ref: ImageRef, data: bytes, work: _Work) -> None:
-        t0 = time.monotonic()
-        try:
-            pixels = self.runner.offload(decode_and_crop, data, self.runner.transform, self.max_pixels,
-                                         rank=(work.admission.arrived, ref.index))
-        except ImageError as err:
-            work.outcomes[ref.index] = err
-            if not req.partial:
-                work.abort()
-            return
-        finally:
-            work.spans.add("decode", t0, time.monotonic())
-            work.admission.settle()  # next: the batcher (no yield in between), or it failed
-        row: Row = self.runner.infer(pixels, work.deadline, group=work.admission,
-                                     arrived=work.admission.arrived).get()
+    def _image(self, req: InferenceRequest, ref: ImageRef, data: bytes | ImageError, work: _Work) -> None:
+        """One image from its bytes (or its fetch's failure) to its row."""
+        with work.admission.image():  # settles it, whatever happens, when it reaches the batcher
+            try:
+                pixels = self._decode(ref, data, work)
+            except ImageError as err:
+                work.outcomes[ref.index] = err
+                if not req.partial:
+                    work.abort()
+                return
+            result = self.runner.infer(pixels, work.deadline, work.admission)  # no yield before the exit
+        row: Row = result.get()
         work.outcomes[ref.index] = row
         end = time.monotonic()
         work.spans.add("queue", end - row.inference_s - row.queue_s, end - row.inference_s)
         work.spans.add("inference", end - row.inference_s, end)
+
+    def _decode(self, ref: ImageRef, data: bytes | ImageError, work: _Work) -> np.ndarray:
+        if isinstance(data, ImageError):  # the fetch failed
+            raise data
+        t0 = time.monotonic()
+        try:
+            return self.runner.offload(decode_and_crop, data, work.info.transform, self.max_pixels,
+                                       rank=work.admission.rank(ref.index))
+        finally:
+            work.spans.add("decode", t0, time.monotonic())
 
     def _fail(self, req: InferenceRequest, outcomes: dict[int, Row | ImageError]) -> None:
         failures = [(r.index, r.name, err) for r in req.refs if isinstance(err := outcomes.get(r.index), ImageError)]
@@ -155,13 +164,13 @@ class Orchestrator:
                 self.on_image_error(err)
         raise ImagesFailed(failures)
 
-    def _respond(self, req: InferenceRequest, task: str, outcomes: dict[int, Row | ImageError],
+    def _respond(self, req: InferenceRequest, task: str, info: ModelInfo, outcomes: dict[int, Row | ImageError],
                  spans: _Spans) -> dict[str, Any]:
         failures = [(r.index, r.name, err) for r in req.refs if isinstance(err := outcomes.get(r.index), ImageError)]
         for _, _, err in failures:
             if self.on_image_error:
                 self.on_image_error(err)
-        labels = self.runner.labels
+        labels = info.labels
         data = []
         for ref in req.refs:
             row = outcomes.get(ref.index)
@@ -169,6 +178,7 @@ class Orchestrator:
                 continue
             item: dict[str, Any] = {"index": ref.index, "image": ref.name}
             if task == "embeddings":
+                assert row.features is not None  # the api refuses embeddings from a model without them
                 item["embedding"] = postprocess.embedding(row.features, normalize=req.normalize)
             else:
                 item["labels"] = postprocess.top_k(row.logits, req.top_k, labels)

@@ -25,8 +25,9 @@ import ipaddress
 import re
 import socket
 from collections import namedtuple
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any
 from urllib.parse import urlsplit
 
 import requests.adapters
@@ -277,7 +278,8 @@ class GuardedAdapter(requests.adapters.HTTPAdapter):
 
     def init_poolmanager(self, *args: Any, **kwargs: Any) -> None:
         super().init_poolmanager(*args, **kwargs)
-        key_fn = functools.partial(_default_key_normalizer, _PinnedPoolKey)
+        # urllib3 types the key class as its own PoolKey; ours is that namedtuple plus the pinned address
+        key_fn = functools.partial(_default_key_normalizer, _PinnedPoolKey)  # type: ignore[arg-type]
         self.poolmanager.key_fn_by_scheme = {"http": key_fn, "https": key_fn}
         self.poolmanager.pool_classes_by_scheme = {"http": _PinnedHTTPPool, "https": _PinnedHTTPSPool}
 

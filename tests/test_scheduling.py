@@ -1,17 +1,14 @@
-"""The runner's own parts: ranked decode slots, the decode lookahead, the nice value of compute threads, the
-accept gate and borrowing idle cores."""
+"""Request-order scheduling: ranked decode slots, the decode lookahead, fetch pacing, admission, gathering."""
 
 from __future__ import annotations
-
-import os
-import sys
-import threading
 
 import gevent
 import numpy as np
 import pytest
 
-from service.engine.runner import Admission, RankedSlots, Runner, lower_priority
+from service.engine.runner import Runner
+from service.engine.scheduling import Admission, Gather, RankedSlots, Scheduler
+from service.errors import Overloaded
 from service.settings import Settings
 from tests.fakes import FakeModel
 
@@ -82,23 +79,24 @@ def test_a_later_requests_decode_waits_while_the_model_has_enough_earlier_images
     settings = Settings.from_env({"GREENSERVE_DECODE_THREADS": "2", "GREENSERVE_MAX_BATCH_WAIT_MS": "0"})
     runner = Runner(settings, model=FakeModel(), cores=2)
     pixels = np.zeros((32, 32, 3), np.uint8)
-    rows = [runner.infer(pixels, arrived=1.0) for _ in range(2)]  # request 1's, the batcher not started
     decoded: list[str] = []
 
     def decode(name: str, rank: tuple[float, int]) -> None:
         runner.offload(decoded.append, name, rank=rank)
 
-    later = gevent.spawn(decode, "request 2, image 0", (2.0, 0))
-    own = gevent.spawn(decode, "request 1, image 2", (1.0, 2))
-    gevent.joinall([own], raise_error=True, timeout=2)
-    gevent.sleep(0.05)
-    assert decoded == ["request 1, image 2"]
-    runner.batcher.start()  # the model takes request 1's images
-    try:
-        gevent.joinall([later, *rows], raise_error=True, timeout=2)
-        assert decoded == ["request 1, image 2", "request 2, image 0"]
-    finally:
-        runner.batcher.stop()
+    with runner.admit(3, arrived=1.0) as request_1:
+        rows = [runner.infer(pixels, None, request_1) for _ in range(2)]  # the batcher not started yet
+        later = gevent.spawn(decode, "request 2, image 0", (2.0, 0))
+        own = gevent.spawn(decode, "request 1, image 2", (1.0, 2))
+        gevent.joinall([own], raise_error=True, timeout=2)
+        gevent.sleep(0.05)
+        assert decoded == ["request 1, image 2"]
+        runner.batcher.start()  # the model takes request 1's images
+        try:
+            gevent.joinall([later, *rows], raise_error=True, timeout=2)
+            assert decoded == ["request 1, image 2", "request 2, image 0"]
+        finally:
+            runner.batcher.stop()
 
 
 def test_a_batch_gathering_a_later_requests_images_goes_when_an_earlier_requests_images_wait() -> None:
@@ -110,22 +108,23 @@ def test_a_batch_gathering_a_later_requests_images_goes_when_an_earlier_requests
     pixels = np.zeros((32, 32, 3), np.uint8)
     done: list[str] = []
 
-    def image(admission: Admission, arrived: float, index: int) -> None:
-        crop = runner.offload(pixels.copy, rank=(arrived, index))
-        admission.settle()
-        runner.infer(crop, group=admission, arrived=arrived).get()
-        done.append(f"{arrived:.0f}/{index}")
+    def image(admission: Admission, index: int) -> None:
+        with admission.image():
+            crop = runner.offload(pixels.copy, rank=admission.rank(index))
+            result = runner.infer(crop, None, admission)
+        result.get()
+        done.append(f"{admission.arrived:.0f}/{index}")
 
     runner.batcher.start()
     try:
-        with runner.admit(2) as later, runner.admit(2) as earlier:
-            first = gevent.spawn(image, later, 2.0, 0)
+        with runner.admit(2, arrived=2.0) as later, runner.admit(2, arrived=1.0) as earlier:
+            first = gevent.spawn(image, later, 0)
             while later.upstream == 2:  # decoded and queued: the collector takes it and gathers
                 gevent.sleep(0.001)
             gevent.sleep(0.01)
-            rest = [gevent.spawn(image, earlier, 1.0, i) for i in range(2)]
+            rest = [gevent.spawn(image, earlier, i) for i in range(2)]
             gevent.sleep(0.01)
-            rest.append(gevent.spawn(image, later, 2.0, 1))
+            rest.append(gevent.spawn(image, later, 1))
             gevent.joinall([first, *rest], raise_error=True, timeout=3)
         assert sorted(done) == ["1/0", "1/1", "2/0", "2/1"]
         assert done.index("1/1") < done.index("2/1")
@@ -133,62 +132,89 @@ def test_a_batch_gathering_a_later_requests_images_goes_when_an_earlier_requests
         runner.batcher.stop()
 
 
+def settle(admission: Admission, n: int = 1) -> None:
+    """``n`` of the request's images reach the batcher (or fail on the way)."""
+    for _ in range(n):
+        with admission.image():
+            pass
+
+
+class AllCores:
+    def __init__(self, all_cores: bool = True) -> None:
+        self.value = all_cores
+
+    def all_cores(self) -> bool:
+        return self.value
+
+
 def test_a_later_request_fetches_once_earlier_requests_have_few_images_on_their_way() -> None:
-    settings = Settings.from_env({"GREENSERVE_FETCH_CONCURRENCY": "2"})
-    runner = Runner(settings, model=FakeModel(), cores=2)
-    with runner.admit(5, arrived=1.0) as early:
+    scheduler = Scheduler(Settings.from_env({"GREENSERVE_FETCH_CONCURRENCY": "2"}), 2, AllCores())
+    with scheduler.admit(5, arrived=1.0) as early:
         with gevent.Timeout(1):
-            runner.wait_to_fetch(early)  # the earliest request never waits
-        with runner.admit(3, arrived=2.0) as late:
-            waiter = gevent.spawn(runner.wait_to_fetch, late)
+            scheduler.wait_to_fetch(early)  # the earliest request never waits
+        with scheduler.admit(3, arrived=2.0) as late:
+            waiter = gevent.spawn(scheduler.wait_to_fetch, late)
             gevent.sleep(0.01)
-            early.settle(2)  # 3 of the earlier request's images still on their way: more than 2
+            settle(early, 2)  # 3 of the earlier request's images still on their way: more than 2
             gevent.sleep(0.01)
             assert not waiter.dead
-            early.settle()
+            settle(early)
             waiter.join(timeout=1)
             assert waiter.successful()
-            with runner.admit(1, arrived=3.0) as last:
-                waiter = gevent.spawn(runner.wait_to_fetch, last)  # 2 + 3 still on their way
+            with scheduler.admit(1, arrived=3.0) as last:
+                waiter = gevent.spawn(scheduler.wait_to_fetch, last)  # 2 + 3 still on their way
                 gevent.sleep(0.01)
                 assert not waiter.dead
         waiter.join(timeout=1)  # the middle request ended (its images failed or were served)
         assert waiter.successful()
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a nice value per thread is Linux")
-def test_lower_priority_lowers_only_the_calling_thread_and_only_once() -> None:
-    seen: dict[str, int] = {}
-
-    def run() -> None:
-        tid = threading.get_native_id()
-        before = os.getpriority(os.PRIO_PROCESS, tid)
-        lower_priority(3)
-        lower_priority(3)
-        seen["delta"] = os.getpriority(os.PRIO_PROCESS, tid) - before
-
-    t = threading.Thread(target=run)
-    t.start()
-    t.join()
-    assert seen["delta"] == 3
-    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == os.getpriority(os.PRIO_PROCESS, 0)
-
-
-class Siblings:
-    def __init__(self) -> None:
-        self.idle = True
-
-    def siblings_idle(self) -> bool:
-        return self.idle
+def test_admission_refuses_past_the_queue_bound_and_while_loading() -> None:
+    scheduler = Scheduler(Settings.from_env({"GREENSERVE_MAX_QUEUE_IMAGES": "4"}), 2, AllCores())
+    with pytest.raises(Overloaded) as loading:
+        with scheduler.admit(1, ready=False):
+            pass
+    assert loading.value.code == "not_ready" and loading.value.headers["Retry-After"] == "5"
+    with scheduler.admit(3):
+        with pytest.raises(Overloaded) as full:
+            with scheduler.admit(2, seconds_per_image=1.0):
+                pass
+        assert full.value.code == "overloaded" and full.value.headers["Retry-After"] == "3"
+        with scheduler.admit(1):
+            pass  # fits
+    with scheduler.admit(10):
+        pass  # alone, a request bigger than the bound is admitted: it could never run otherwise
 
 
-def test_a_worker_borrows_every_core_only_while_its_siblings_are_idle() -> None:
-    siblings = Siblings()
-    runner = Runner(Settings.from_env({}), model=FakeModel(), cores=2, siblings=siblings)
-    assert runner._forward_threads() == 2  # the siblings idle: every core
-    siblings.idle = False
-    assert runner._forward_threads() == 1  # one is busy: this worker's share
-    assert Runner(Settings.from_env({}), model=FakeModel(), cores=2)._forward_threads() == 1  # nothing known
-    pinned = Runner(Settings.from_env({"GREENSERVE_TORCH_THREADS": "1"}), model=FakeModel(), cores=2,
-                    siblings=Siblings())
-    assert pinned._forward_threads() == 1
+def test_images_that_never_came_settle_when_the_request_ends_and_a_failed_request_is_cancelled() -> None:
+    cancelled = []
+
+    class Queue:
+        def queued_before(self, arrived: float) -> int:
+            return 0
+
+        def wake(self) -> None:
+            pass
+
+        def cancel(self, group: Admission) -> int:
+            cancelled.append(group)
+            return 0
+
+    scheduler = Scheduler(Settings.from_env({}), 2, AllCores())
+    scheduler.watch(Queue())
+    with pytest.raises(RuntimeError):
+        with scheduler.admit(4, coming=3) as admission:
+            settle(admission)
+            assert scheduler.upstream() == 2
+            raise RuntimeError("deadline")
+    assert scheduler.upstream() == 0 and admission.cancelled and cancelled == [admission]
+
+
+def test_a_batch_gathers_only_while_the_forward_runs_on_every_core() -> None:
+    cores = AllCores(False)
+    scheduler = Scheduler(Settings.from_env({}), 1, cores)
+    assert scheduler.gather() is Gather.NO
+    cores.value = True
+    assert scheduler.gather() is Gather.BRIDGE_GAPS  # decode idle: bridge short gaps only
+    with scheduler.decode_slot((1.0, 0)):
+        assert scheduler.gather() is Gather.WHILE_DECODING

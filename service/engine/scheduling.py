@@ -1,0 +1,243 @@
+"""Request-order scheduling: a worker serves its requests first come, first served, at every stage.
+
+    admit    a request reserves its images of the worker's queue (GREENSERVE_MAX_QUEUE_IMAGES), or is
+             refused with 503 + Retry-After before any work
+    fetch    it starts fetching once the worker's earlier requests have at most
+             GREENSERVE_FETCH_CONCURRENCY images still to fetch or decode (``wait_to_fetch``)
+    decode   decode slots go in (arrival, image index) order; a later request's image waits while the
+             model already has as many images of earlier requests queued as there are decode threads
+    batch    a batch led by a request that still has images on their way holds only that request's
+             images; while the forward runs on every core it keeps gathering them (``gather``)
+
+Served in the order their bytes arrive, concurrent requests would share the cores and all finish late
+together; in arrival order the first finishes first, as a queue of requests would. The figures behind
+each rule are in docs/SCHEDULING.md.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import heapq
+import itertools
+import time
+from collections.abc import Callable, Iterator
+from typing import Any, Protocol
+
+from gevent.event import Event
+
+from service import metrics
+from service.errors import Overloaded
+from service.settings import Settings
+
+Rank = tuple[float, int]  # (the request's arrival, the image's index): lower goes first
+NOT_READY_RETRY_S = 5
+
+
+class Gather(enum.Enum):
+    """What a batch whose request still has images on their way does (see ``Scheduler.gather``)."""
+
+    NO = "no"  # go with what is there
+    BRIDGE_GAPS = "bridge_gaps"  # wait across short gaps between arrivals (decode idle, fetches behind)
+    WHILE_DECODING = "while_decoding"  # wait: the next image is being decoded
+
+
+class Queue(Protocol):
+    """What the scheduler reads of the batcher."""
+
+    def queued_before(self, arrived: float) -> int: ...
+
+    def wake(self) -> None: ...
+
+    def cancel(self, group: Admission) -> int: ...
+
+
+class Cores(Protocol):
+    """Whether the next forward runs on every core (``threads.ThreadPlan``)."""
+
+    def all_cores(self) -> bool: ...
+
+
+class Admission:
+    """One admitted request's place: when it arrived, how many of its images are still on their way
+    (being fetched or decoded), and whether it ended early."""
+
+    __slots__ = ("arrived", "upstream", "cancelled", "_scheduler")
+
+    def __init__(self, scheduler: Scheduler, upstream: int, arrived: float) -> None:
+        self._scheduler = scheduler
+        self.arrived = arrived
+        self.upstream = upstream
+        self.cancelled = False
+
+    @contextlib.contextmanager
+    def image(self) -> Iterator[None]:
+        """One image's way to the batcher: on leaving, it reached the batcher or failed, once."""
+        try:
+            yield
+        finally:
+            self.upstream -= 1
+            self._scheduler.settle(1)
+
+    def rank(self, index: int) -> Rank:
+        return (self.arrived, index)
+
+
+class Scheduler:
+    def __init__(self, settings: Settings, decode_threads: int, cores: Cores) -> None:
+        self._max_queue = settings.max_queue_images
+        self._fetch_ahead = settings.fetch_concurrency
+        self._decode_threads = decode_threads
+        self._cores = cores
+        self._queue: Queue | None = None
+        self._admitted = 0
+        self._upstream = 0  # admitted images not yet at the batcher
+        self._admissions: list[Admission] = []  # in arrival order
+        self._settling = Event()  # set (and replaced) whenever images settle or a request ends
+        self._decode = RankedSlots(decode_threads, ready=self._may_decode)
+        self._decoding = 0  # tasks waiting for or holding a decode slot
+
+    def watch(self, queue: Queue) -> None:
+        self._queue = queue
+
+    # ------------------------------------------------------------------ admit
+
+    @contextlib.contextmanager
+    def admit(self, n_images: int, *, coming: int | None = None, arrived: float | None = None,
+              ready: bool = True, seconds_per_image: float = 0.05) -> Iterator[Admission]:
+        """Reserve ``n_images`` (of which ``coming`` will travel to the batcher; default all), or refuse
+        with 503. A request that ends with an exception has its queued images dropped."""
+        if not ready:
+            metrics.OVERLOADED.labels("not_ready").inc()
+            raise Overloaded("the model is still loading on this worker; retry shortly",
+                             retry_after_s=NOT_READY_RETRY_S, code="not_ready")
+        if self._admitted and self._admitted + n_images > self._max_queue:
+            metrics.OVERLOADED.labels("queue_full").inc()
+            wait = self._admitted * seconds_per_image
+            raise Overloaded(f"this worker has {self._admitted} image(s) queued or running (limit "
+                             f"{self._max_queue}); retry after ~{wait:.1f}s or spread load over more "
+                             "workers/replicas", retry_after_s=wait)
+        coming = n_images if coming is None else coming
+        admission = Admission(self, coming, time.monotonic() if arrived is None else arrived)
+        self._admitted += n_images
+        self._upstream += coming
+        self._admissions.append(admission)
+        metrics.QUEUE_IMAGES.inc(n_images)
+        try:
+            yield admission
+        except BaseException:
+            admission.cancelled = True  # failed, timed out or its client left
+            if self._queue is not None:
+                self._queue.cancel(admission)
+            raise
+        finally:
+            self._admitted -= n_images
+            self._admissions.remove(admission)
+            self.settle(admission.upstream)  # images that never came (killed on the way)
+            admission.upstream = 0
+            metrics.QUEUE_IMAGES.dec(n_images)
+
+    def settle(self, n: int) -> None:
+        """``n`` admitted images reached the batcher or failed on the way."""
+        self._upstream -= n
+        if n and not self._upstream and self._queue is not None:
+            self._queue.wake()  # a batch waiting for more images need not wait any longer
+        settling, self._settling = self._settling, Event()
+        settling.set()
+
+    # ------------------------------------------------------------------ fetch
+
+    def wait_to_fetch(self, admission: Admission) -> None:
+        """Until earlier requests have at most ``fetch_concurrency`` images still on their way. Fetching
+        every queued request's images at once held all their bytes (8 albums: 733 MB) and kept the hub
+        reading when it should answer; starting just before they are needed hides the hosts' latency."""
+        while sum(a.upstream for a in self._admissions if a.arrived < admission.arrived) > self._fetch_ahead:
+            self._settling.wait()
+
+    # ------------------------------------------------------------------ decode
+
+    @contextlib.contextmanager
+    def decode_slot(self, rank: Rank | None) -> Iterator[None]:
+        """A decode thread's turn, in rank order (unranked work, such as a big JSON body, first)."""
+        self._decoding += 1
+        try:
+            with self._decode.take((float("-inf"), 0) if rank is None else rank):
+                yield
+        finally:
+            self._decoding -= 1
+
+    def _may_decode(self, rank: Rank) -> bool:
+        """Not while the model already has ``decode_threads`` images of earlier requests queued: decoding
+        sooner would only take the cores from their forwards. The earliest request never waits."""
+        return self._queue is None or self._queue.queued_before(rank[0]) < self._decode_threads
+
+    # ------------------------------------------------------------------ batch (what the batcher asks)
+
+    def upstream(self) -> int:
+        """Admitted images still being fetched or decoded: with none, a batch need not wait."""
+        return self._upstream
+
+    def admitted(self) -> int:
+        """Images admitted (queued or running) on this worker."""
+        return self._admitted
+
+    def gather(self) -> Gather:
+        """Only while the forward runs on every core (a lone worker): then small forwards started while
+        decode runs would stall it and be stalled (torch's threads wait for each other every layer)."""
+        if not self._cores.all_cores():
+            return Gather.NO
+        return Gather.WHILE_DECODING if self._decoding else Gather.BRIDGE_GAPS
+
+    def taken(self) -> None:
+        """Images left the batcher's queue: a held-back decode may go now."""
+        self._decode.recheck()
+
+
+class RankedSlots:
+    """At most ``n`` holders at a time; waiting greenlets get a slot in rank order, lowest first.
+
+    ``ready(rank)`` (optional) may hold a rank back even with a slot free; it must be monotonic (if it
+    holds a rank back, it holds back every later rank too). Call ``recheck()`` when its answer may have
+    changed.
+    """
+
+    def __init__(self, n: int, ready: Callable[[Rank], bool] | None = None) -> None:
+        self._free = n
+        self._ready = ready
+        self._waiting: list[list[Any]] = []  # heap of [rank, seq, event, still waiting]
+        self._seq = itertools.count()
+
+    @contextlib.contextmanager
+    def take(self, rank: Rank) -> Iterator[None]:
+        entry = [rank, next(self._seq), Event(), True]
+        heapq.heappush(self._waiting, entry)
+        self.recheck()
+        try:
+            entry[2].wait()
+        except BaseException:  # killed (deadline): give up the place, or the slot handed over
+            entry[3] = False
+            if entry[2].is_set():
+                self._release()
+            raise
+        try:
+            yield
+        finally:
+            self._release()
+
+    def recheck(self) -> None:
+        """Hand free slots to the best waiters that are ready."""
+        while self._free and self._waiting:
+            entry = self._waiting[0]
+            if not entry[3]:  # killed while waiting
+                heapq.heappop(self._waiting)
+                continue
+            if self._ready is not None and not self._ready(entry[0]):
+                return  # held back, and so is every later rank
+            heapq.heappop(self._waiting)
+            entry[3] = False
+            self._free -= 1
+            entry[2].set()
+
+    def _release(self) -> None:
+        self._free += 1
+        self.recheck()
