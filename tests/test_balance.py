@@ -163,74 +163,73 @@ def _connect(port: int) -> socket.socket:
     return s
 
 
+class HeldServer:
+    """A GatedStreamServer on 127.0.0.1 whose handlers hold their connection until ``release`` is set."""
+
+    def __init__(self, balance: Balance, pool_size: int) -> None:
+        self.release = gevent.event.Event()
+        self.handled: list[int] = []
+        self.server = GatedStreamServer(("127.0.0.1", 0), handle=self._handle, spawn=gevent.pool.Pool(pool_size),
+                                        balance=balance)
+        self.server.start()
+        self.clients: list[socket.socket] = []
+
+    def _handle(self, sock: socket.socket, addr: object) -> None:
+        self.handled.append(1)
+        self.release.wait()
+        sock.close()
+
+    def connect(self, n: int = 1) -> None:
+        self.clients += [_connect(self.server.server_port) for _ in range(n)]
+
+    def close(self) -> None:
+        self.release.set()
+        for c in self.clients:
+            c.close()
+        self.server.stop()
+
+
 def test_a_server_reopened_while_its_pool_is_full_accepts_again_when_a_slot_frees() -> None:
     """The wedge: gevent re-arms a full pool's accept with a one-shot link. If the gate was closed when it
     fired and reopened while the pool was still full, nothing started accepting again."""
     balance, _, _, _, _ = pair(Policy(accept_gate=False, max_idle=10))
-    release = gevent.event.Event()
-    handled: list[int] = []
-
-    def handle(sock: socket.socket, addr: object) -> None:
-        handled.append(1)
-        release.wait()
-        sock.close()
-
-    server = GatedStreamServer(("127.0.0.1", 0), handle=handle, spawn=gevent.pool.Pool(2), balance=balance)
-    server.start()
-    clients = []
+    held = HeldServer(balance, 2)
     try:
-        port = server.server_port
-        clients = [_connect(port) for _ in range(3)]
+        held.connect(3)
         gevent.sleep(0.2)
-        assert len(handled) == 2  # the pool is full; the third waits in the backlog
-        server.set_accepting(False)  # the gate closes ...
-        release.set()
+        assert len(held.handled) == 2  # the pool is full; the third waits in the backlog
+        held.server.set_accepting(False)  # the gate closes ...
+        held.release.set()
         gevent.sleep(0.05)  # ... the slots free while it is closed: gevent's one-shot link is spent
-        release.clear()
-        assert len(handled) == 2
-        server.set_accepting(True)
+        held.release.clear()
+        assert len(held.handled) == 2
+        held.server.set_accepting(True)
         gevent.sleep(0.2)
-        assert len(handled) == 3, "the reopened server never accepted the waiting connection"
-        server.set_accepting(False)
-        server.set_accepting(True)  # reopened while full (the third holds a slot, one free): idempotent
-        clients.append(_connect(port))
+        assert len(held.handled) == 3, "the reopened server never accepted the waiting connection"
+        held.server.set_accepting(False)
+        held.server.set_accepting(True)  # reopened again: idempotent
+        held.connect()
         gevent.sleep(0.2)
-        assert len(handled) == 4
+        assert len(held.handled) == 4
     finally:
-        release.set()
-        for c in clients:
-            c.close()
-        server.stop()
+        held.close()
         balance.stop()
 
 
 def test_a_server_reopened_while_its_pool_is_still_full_accepts_once_a_slot_frees() -> None:
     balance = Balance(None, Policy(accept_gate=False))
     balance._readiness = Engine()
-    release = gevent.event.Event()
-    handled: list[int] = []
-
-    def handle(sock: socket.socket, addr: object) -> None:
-        handled.append(1)
-        release.wait()
-        sock.close()
-
-    server = GatedStreamServer(("127.0.0.1", 0), handle=handle, spawn=gevent.pool.Pool(1), balance=balance)
-    server.start()
-    port = server.server_port
-    clients = [_connect(port), _connect(port)]
+    held = HeldServer(balance, 1)
     try:
+        held.connect(2)
         gevent.sleep(0.2)
-        assert len(handled) == 1  # full
-        server.set_accepting(False)
-        server.set_accepting(True)  # reopened while full: no accept yet, but a wake-up is linked
+        assert len(held.handled) == 1  # full
+        held.server.set_accepting(False)
+        held.server.set_accepting(True)  # reopened while full: no accept yet, but a wake-up is linked
         gevent.sleep(0.05)
-        assert len(handled) == 1
-        release.set()
+        assert len(held.handled) == 1
+        held.release.set()
         gevent.sleep(0.2)
-        assert len(handled) == 2
+        assert len(held.handled) == 2
     finally:
-        release.set()
-        for c in clients:
-            c.close()
-        server.stop()
+        held.close()
