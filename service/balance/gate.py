@@ -104,7 +104,7 @@ class Balance:
 
     def add_listener(self, listener: Listener) -> None:
         self._listeners.append(listener)
-        listener.set_accepting(self._decide())
+        self.apply()
 
     def close(self) -> None:
         """Shutting down (SIGTERM/SIGINT/HUP): accept nothing more, at once."""

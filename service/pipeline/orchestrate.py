@@ -158,18 +158,20 @@ class Orchestrator:
             work.spans.add("decode", t0, time.monotonic())
 
     def _fail(self, req: InferenceRequest, outcomes: dict[int, Row | ImageError]) -> None:
+        raise ImagesFailed(self._report_failures(req, outcomes))
+
+    def _report_failures(self, req: InferenceRequest,
+                         outcomes: dict[int, Row | ImageError]) -> list[tuple[int, str, ImageError]]:
+        """The request's unusable images, in request order, each counted once (``on_image_error``)."""
         failures = [(r.index, r.name, err) for r in req.refs if isinstance(err := outcomes.get(r.index), ImageError)]
         for _, _, err in failures:
             if self.on_image_error:
                 self.on_image_error(err)
-        raise ImagesFailed(failures)
+        return failures
 
     def _respond(self, req: InferenceRequest, task: str, info: ModelInfo, outcomes: dict[int, Row | ImageError],
                  spans: _Spans) -> dict[str, Any]:
-        failures = [(r.index, r.name, err) for r in req.refs if isinstance(err := outcomes.get(r.index), ImageError)]
-        for _, _, err in failures:
-            if self.on_image_error:
-                self.on_image_error(err)
+        failures = self._report_failures(req, outcomes)
         labels = info.labels
         data = []
         for ref in req.refs:
