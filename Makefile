@@ -12,7 +12,7 @@ help:
 	@echo "make serve    create .venv, install, start gunicorn -k gevent on \$$GREENSERVE_BIND (127.0.0.1:8000)"
 	@echo "make test     create .venv, install, run the test suite"
 	@echo "make lint     ruff (lint + import order) and mypy on service/"
-	@echo "make compare  gevent vs asyncio comparison (QUICK=1 for a short run)"
+	@echo "make compare  gevent vs asyncio comparison (QUICK=1 for a short run; MODEL=open_clip:ViT-B-32 for CLIP)"
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -34,7 +34,7 @@ lint: $(STAMP)
 	$(BIN)/mypy
 
 compare: $(STAMP)
-	$(BIN)/python -m bench.compare $(if $(QUICK),--quick,)
+	$(BIN)/python -m bench.compare $(if $(QUICK),--quick,) $(if $(MODEL),--model $(MODEL),)
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache

@@ -30,7 +30,8 @@ READY = "ready"
 
 
 def save_random_weights(model: str, path: Path, seed: int = 0) -> Path:
-    """A seeded random state dict for ``model`` (no downloads here), saved in channels_last once.
+    """A seeded random state dict for ``model`` (no downloads here; torchvision or ``open_clip:ARCH``), saved
+    once, convnets in channels_last.
 
     Saved already converted, as DESIGN.md advises, so ``load_model``'s channels_last step is a no-op and
     the mmapped weights stay shared. Every design loads this one file, so they serve the same model.
@@ -40,8 +41,16 @@ def save_random_weights(model: str, path: Path, seed: int = 0) -> Path:
     import torch
     import torchvision
 
+    from service.engine.model import parse_model_name
+
+    family, arch = parse_model_name(model)
     torch.manual_seed(seed)
-    net = torchvision.models.get_model(model, weights=None).eval().to(memory_format=torch.channels_last)
+    if family == "open_clip":  # a ViT has no channels_last to save in
+        import open_clip
+
+        net = open_clip.create_model(arch, pretrained=None).eval()
+    else:
+        net = torchvision.models.get_model(arch, weights=None).eval().to(memory_format=torch.channels_last)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     torch.save(net.state_dict(), tmp)

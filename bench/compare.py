@@ -203,7 +203,7 @@ def run(plan: Plan, *, out_dir: Path, only: set[str] | None = None, chart: bool 
         OUT_DIR / f"album-{plan.album_count}-{plan.album_max_side}"
     blobs = load_album(ensure_album(album_dir, count=plan.album_count, max_side=plan.album_max_side))
     names = list(blobs)
-    weights = bare.save_random_weights(plan.model, OUT_DIR / "weights" / f"{plan.model}-seed0.pt")
+    weights = bare.save_random_weights(plan.model, OUT_DIR / "weights" / f"{slug(plan.model)}-seed0.pt")
     ref_path = OUT_DIR / f"reference-{plan.name}.npy"
     bare_runs = yardstick(plan, weights, album_dir, cores, "start", ref_path)
     reference = np.load(ref_path)
@@ -242,6 +242,11 @@ def run(plan: Plan, *, out_dir: Path, only: set[str] | None = None, chart: bool 
     return doc
 
 
+def slug(model: str) -> str:
+    """A model name fit for a file name: open_clip:ViT-B-32 → open_clip-ViT-B-32."""
+    return model.replace(":", "-").replace("/", "-")
+
+
 def passed(doc: dict[str, Any]) -> bool:
     """Every design ran, and served the reference's embeddings within tolerance."""
     def ok(d: dict[str, Any]) -> bool:
@@ -254,15 +259,16 @@ def passed(doc: dict[str, Any]) -> bool:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="N=1,2 with resnet18 and one open-loop step (~3 min)")
-    parser.add_argument("--model", help="override the plan's model (a torchvision model with a Linear head)")
+    parser.add_argument("--model", help="override the plan's model (resnet50, open_clip:ViT-B-32); the outputs "
+                        "are named for it (docs/compare-full-open_clip-ViT-B-32.json)")
     parser.add_argument("--ns", help="override the closed runs' N, e.g. 1,2,4")
     parser.add_argument("--design", action="append", help="run only this design (name or label); repeatable")
     parser.add_argument("--image-latency-ms", type=float, help="delay the image host adds to every image")
     parser.add_argument("--out-dir", type=Path, default=DOCS_DIR)
     args = parser.parse_args(argv)
     plan = QUICK if args.quick else FULL
-    if args.model:
-        plan = dataclasses.replace(plan, model=args.model)
+    if args.model and args.model != plan.model:
+        plan = dataclasses.replace(plan, model=args.model, name=f"{plan.name}-{slug(args.model)}")
     if args.ns:
         plan = dataclasses.replace(plan, ns=tuple(int(n) for n in args.ns.split(",")))
     if args.image_latency_ms is not None:

@@ -1,6 +1,6 @@
 """Memory per worker: PSS of 1, 2 and 4 gunicorn workers serving resnet50, weights shared vs private.
 
-``python -m bench.memory [--model resnet50] [--workers 1 2 4]``
+``python -m bench.memory [--model resnet50 | open_clip:ViT-B-32] [--workers 1 2 4]``
 
 Three ways to load the same weights:
 - ``export``: a checkpoint written by ``greenserve export`` (already channels_last): mapped from the page
@@ -41,11 +41,17 @@ def smaps(pid: int) -> dict[str, int]:
 
 
 def weights_files(model: str, directory: Path) -> dict[str, Path]:
-    """A seeded random state dict, and its ``greenserve export`` form."""
+    """A seeded random state dict, and its ``greenserve export`` form (torchvision; an open_clip model has
+    no layout to convert, so its plain file is the shared one)."""
     import torch
     import torchvision
 
-    from service.engine.model import export_checkpoint
+    from service.engine.torchvision_family import export_checkpoint
+
+    if model.startswith("open_clip:"):
+        from bench.bare import save_random_weights
+
+        return {"plain": save_random_weights(model, directory / f"{model.replace(':', '-')}-plain.pt")}
 
     plain = directory / f"{model}-plain.pt"
     exported = directory / f"{model}-export.pt"
@@ -114,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"weights file: {files['plain'].stat().st_size / 2**20:.1f} MB", flush=True)
     rows = []
     for workers in args.workers:
-        for mode in MODES:
+        for mode in (m for m in MODES if m in files):
             rows.append(measure(args.model, files[mode], mode, workers))
             print(json.dumps(rows[-1]), flush=True)
     print(table(rows))

@@ -109,6 +109,12 @@ def classify() -> Response:
     return _infer("classify")
 
 
+@bp.post("/v1/rank")
+def rank() -> Response:
+    """Images ordered by their similarity to a text ``query``: an album searched with a sentence."""
+    return _infer("rank")
+
+
 def _infer(task: str) -> Response:
     balance: Balance = current_app.extensions["greenserve"]["balance"]
     with balance.inference():  # siblings see this worker as busy from here (parsing included)
@@ -117,11 +123,8 @@ def _infer(task: str) -> Response:
 
 def _run(task: str) -> Response:
     settings, runner, orchestrator = parts()
-    req = _parse_request(settings, runner)
-    info = runner.info
-    if info is not None and task not in info.tasks:
-        raise RequestError(f"the loaded model does not provide {task}; it provides {', '.join(info.tasks)}",
-                           code="task_not_supported")
+    req = _parse_request(settings, runner, task)
+    _check_task(runner, req, task)
     deadline = _deadline(settings)
     with cancel_on_hang_up(request.environ.get("gunicorn.socket") if settings.cancel_on_disconnect else None):
         body = orchestrator.run(req, task, deadline=deadline, request_id=g.request_id)
@@ -133,19 +136,40 @@ def _run(task: str) -> Response:
     return Response(orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY), mimetype="application/json")
 
 
-def _parse_request(settings: Settings, runner: Runner) -> InferenceRequest:
+def _check_task(runner: Runner, req: InferenceRequest, task: str) -> None:
+    """What the loaded model cannot do is refused before any work (while it loads, admission says 503)."""
+    info = runner.info
+    if info is None:
+        return
+    if task not in info.tasks:
+        raise RequestError(f"the loaded model does not provide {task}; it provides {', '.join(info.tasks)}",
+                           code="task_not_supported")
+    if (req.text.texts or req.text.prompts) and "text" not in info.towers:
+        raise RequestError(f"{info.name} has no text tower, so it cannot embed texts or labels; serve an "
+                           "open_clip model (GREENSERVE_MODEL=open_clip:ViT-B-32) for text", code="text_not_supported"
+                           if req.text.texts else "labels_not_supported")
+    if task == "classify" and not info.labels and not req.text.labels:
+        raise RequestError(f'{info.name} has no fixed classes: send the candidate "labels" (and optionally a '
+                           f'"template" such as "a photo of a {{}}.")', code="labels_required")
+    if task == "classify" and info.labels and req.text.labels:
+        raise RequestError(f"{info.name} classifies into its own {len(info.labels)} labels; drop \"labels\" or "
+                           "serve an open_clip model for zero-shot labels", code="labels_not_supported")
+
+
+def _parse_request(settings: Settings, runner: Runner, task: str) -> InferenceRequest:
     mimetype = request.mimetype
     if mimetype == "multipart/form-data":
         files = [(f.filename or "", f.read(settings.max_image_bytes + 1)) for f in request.files.getlist("images")]
         unexpected = sorted(set(request.files) - {"images"})
         if unexpected:
             raise RequestError(f"files in unknown field(s) {', '.join(unexpected)}; use the field 'images'")
-        return parse_form(request.form.to_dict(), files, settings)
+        fields = {k: v for k, v in request.form.to_dict().items() if k != "labels"}
+        return parse_form(fields, files, settings, task, labels=request.form.getlist("labels"))
     if mimetype in ("application/json", "") or mimetype.endswith("+json"):
         raw = request.get_data(cache=False)
         if len(raw) > OFFLOAD_JSON_BYTES:
-            return runner.offload(parse_json, raw, settings)
-        return parse_json(raw, settings)
+            return runner.offload(parse_json, raw, settings, task)
+        return parse_json(raw, settings, task)
     raise UnsupportedMediaType(f"Content-Type {mimetype!r} is not accepted; send application/json or "
                                "multipart/form-data")
 

@@ -21,6 +21,7 @@ from service.engine.runner import Model, Runner
 from service.pipeline.decode import configure_pillow
 from service.pipeline.fetch import Fetcher, HttpFetcher
 from service.pipeline.orchestrate import Orchestrator
+from service.pipeline.texts import TextEncoder
 from service.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -36,11 +37,12 @@ def create_app(settings: Settings | None = None, *, model: Model | None = None,
     balance = balance or Balance(None, Policy.from_settings(settings))
     runner = Runner(settings, model=model, siblings=balance,
                     loader=None if model else functools.partial(_load_model, settings, balance.slot))
-    orchestrator = Orchestrator(runner, fetcher or HttpFetcher(settings), max_pixels=settings.max_image_pixels,
+    texts = TextEncoder(runner, settings.label_cache_size)
+    orchestrator = Orchestrator(runner, fetcher or HttpFetcher(settings), texts, max_pixels=settings.max_image_pixels,
                                 on_image_error=lambda err: metrics.IMAGE_ERRORS.labels(err.code).inc())
     app = Flask("greenserve")
     app.extensions["greenserve"] = {"settings": settings, "runner": runner, "orchestrator": orchestrator,
-                                    "balance": balance}
+                                    "balance": balance, "texts": texts}
     api.register(app)
     app.wsgi_app = guard_body(app.wsgi_app)  # type: ignore[method-assign,assignment]  # Flask's middleware hook
     runner.start()

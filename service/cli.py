@@ -1,8 +1,10 @@
 """``greenserve`` command line: what an operator runs besides the server itself.
 
     greenserve download-weights MODEL   put torchvision's pretrained file into the local torch cache
+    greenserve download-weights open_clip:ARCH --pretrained TAG
+                                        put an open_clip checkpoint into the local (Hugging Face) cache
     greenserve settings [--markdown]    every GREENSERVE_* setting with its default (the README table)
-    greenserve models                   the torchvision classification models that can be served
+    greenserve models                   the models that can be served (torchvision, then open_clip)
     greenserve export MODEL --out F     a checkpoint already in the serving layout (shared by workers)
 """
 
@@ -40,6 +42,21 @@ def download_weights(name: str, *, url: str | None = None, verify_hash: bool = T
     return dest
 
 
+def _download(args: argparse.Namespace) -> str:
+    if not args.model.startswith("open_clip:"):
+        if args.pretrained:
+            raise SystemExit("--pretrained is for open_clip models; torchvision models have one default file")
+        return download_weights(args.model, url=args.url, verify_hash=not args.no_verify_hash)
+    if not args.pretrained:
+        from service.engine.open_clip_family import pretrained_tags
+
+        tags = pretrained_tags(args.model.removeprefix("open_clip:"))
+        raise SystemExit(f"name the weights with --pretrained; {args.model} has: {', '.join(tags) or 'none'}")
+    from service.engine.open_clip_family import download
+
+    return download(args.model.removeprefix("open_clip:"), args.pretrained)
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         return _run(argv)
@@ -53,7 +70,8 @@ def _run(argv: list[str] | None) -> int:
     parser = argparse.ArgumentParser(prog="greenserve", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     dl = sub.add_parser("download-weights", help="download pretrained weights into the torch cache")
-    dl.add_argument("model", help="torchvision model name, e.g. resnet50")
+    dl.add_argument("model", help="torchvision model name (resnet50) or open_clip:ARCH (open_clip:ViT-B-32)")
+    dl.add_argument("--pretrained", help="open_clip pretrained tag, e.g. laion2b_s34b_b79k")
     dl.add_argument("--url", help="mirror URL of the same file (default: torchvision's)")
     dl.add_argument("--no-verify-hash", action="store_true", help="skip the SHA-256 prefix check")
     st = sub.add_parser("settings", help="show settings (current values, or the README table)")
@@ -67,8 +85,7 @@ def _run(argv: list[str] | None) -> int:
     args = parser.parse_args(argv)
 
     if args.command == "download-weights":
-        path = download_weights(args.model, url=args.url, verify_hash=not args.no_verify_hash)
-        print(path)
+        print(_download(args))
     elif args.command == "settings":
         if args.markdown:
             print(settings_table())
@@ -81,14 +98,15 @@ def _run(argv: list[str] | None) -> int:
             for key, value in values.items():
                 print(f"GREENSERVE_{key.upper()}={value}")
     elif args.command == "export":
-        from service.engine.model import export_checkpoint
+        from service.engine.torchvision_family import export_checkpoint
 
         info = export_checkpoint(args.model, args.weights, args.out, channels_last=not args.no_channels_last)
         print(" ".join(f"{k}={v}" for k, v in info.items()))
     elif args.command == "models":
-        from service.engine.model import classification_models
+        from service.engine.open_clip_family import architectures
+        from service.engine.torchvision_family import classification_models
 
-        print("\n".join(classification_models()))
+        print("\n".join([*classification_models(), *(f"open_clip:{a}" for a in architectures())]))
     return 0
 
 

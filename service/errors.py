@@ -1,11 +1,14 @@
 """The error tree. Every failure a caller can cause or see is one of these; one handler maps them to HTTP.
 
     GreenserveError (500 internal_error; http_error for another framework status)
-    ├── RequestError (400)            invalid_request, invalid_json, malformed_body, task_not_supported
+    ├── RequestError (400)            invalid_request, invalid_json, malformed_body, task_not_supported,
+    │                                 empty_text, over_context_length, text_not_supported,
+    │                                 labels_required, labels_not_supported
     ├── Unauthorized (401)            unauthorized
     ├── NotFound (404)                not_found: no such route
     ├── MethodNotAllowed (405)        method_not_allowed
-    ├── PayloadTooLarge (413)         body_too_large, too_many_images
+    ├── PayloadTooLarge (413)         body_too_large, too_many_images, too_many_texts, text_too_long,
+    │                                 too_many_labels
     ├── UnsupportedMediaType (415)    unsupported_content_type
     ├── ImageError (422)              invalid_data_url; one image is unusable, carried per image in
     │   │                             ``details`` / ``errors``

@@ -38,6 +38,9 @@ QUEUE_IMAGES = Gauge("greenserve_queue_images", "Images admitted (queued or runn
                      multiprocess_mode="livesum")
 MODEL_LOAD_SECONDS = Gauge("greenserve_model_load_seconds", "Model load + warm-up time of each live worker",
                            multiprocess_mode="liveall")
+TEXTS = Counter("greenserve_texts_total", "Texts through the text tower")
+TEXT_CACHE = Counter("greenserve_text_cache_total", "Label and query embeddings looked up in the worker's cache",
+                     ["result"])
 OVERLOADED = Counter("greenserve_rejected_total", "Requests refused before any work (503)", ["reason"])
 
 
@@ -56,3 +59,7 @@ def observe_batch(size: int, seconds: float) -> None:
     IMAGES.inc(size)
     BATCH_SIZE.observe(size)
     BATCH_SECONDS.observe(seconds)
+
+
+def observe_text_batch(size: int, seconds: float) -> None:
+    TEXTS.inc(size)

@@ -19,6 +19,7 @@ ENV_PREFIX = "GREENSERVE_"
 WEIGHTS_MODES = ("auto", "imagenet", "random")
 DTYPES = ("float32", "bfloat16", "float16")
 _DEVICE_RE = re.compile(r"^(cpu|auto|cuda(:\d+)?)$")
+_TAG_RE = re.compile(r"^[A-Za-z0-9][\w.-]*$")  # open_clip pretrained tags: laion2b_s34b_b79k, openai
 
 
 class SettingsError(ValueError):
@@ -51,8 +52,11 @@ class Settings:
                                   parse="int", lo=0, hi=256)
     decode_threads: int = _setting(0, "native threads per worker for decode + preprocess; 0 = max(2, cores // workers)",
                                    parse="int", lo=0, hi=64)
-    model: str = _setting("resnet50", "torchvision classification model name")
-    weights: str = _setting("auto", "auto | imagenet | random | path to a state-dict or TorchScript file")
+    model: str = _setting("resnet50", "the model: a torchvision classifier (resnet50, torchvision:convnext_tiny) or an "
+                          "open_clip architecture (open_clip:ViT-B-32, image and text towers); see the README's "
+                          "model families")
+    weights: str = _setting("auto", "auto | imagenet | random | a file (state dict, TorchScript, open_clip checkpoint) "
+                            "| an open_clip pretrained tag in the local cache (laion2b_s34b_b79k)")
     device: str = _setting("auto", "cpu | cuda | cuda:N | auto (cuda when present, workers spread over GPUs)")
     dtype: str = _setting("float32", "float32 | bfloat16 | float16: autocast dtype of the forward (bfloat16 ran resnet50 2.5x "
                           "faster on an AMX CPU, embeddings within cosine 0.9999; see docs/BENCHMARKS.md)")
@@ -82,6 +86,13 @@ class Settings:
                                      parse="int", lo=1)
     max_body_bytes: int = _setting(64 * 1024 * 1024, "request body size", unit="bytes", parse="int",
                                    lo=1024)
+    max_texts: int = _setting(512, "texts per request (text embeddings)", parse="int", lo=1, hi=100_000)
+    max_text_chars: int = _setting(2000, "characters per text, query, label or template", parse="int", lo=1,
+                                   hi=1_000_000)
+    max_labels: int = _setting(1000, "labels per zero-shot classify request", parse="int", lo=1, hi=100_000)
+    label_cache_size: int = _setting(4096, "text embeddings of labels and queries each worker keeps (LRU), so a "
+                                     "repeated label set costs no text forward", parse="int", lo=0, hi=10_000_000)
+    max_text_batch: int = _setting(64, "texts per text forward pass", parse="int", lo=1, hi=4096)
     max_top_k: int = _setting(100, "largest top_k a caller may ask for", parse="int", lo=1, hi=100_000)
     max_batch: int = _setting(32, "images per forward pass", parse="int", lo=1, hi=4096)
     max_batch_wait_ms: float = _setting(2.0, "how long a non-full batch waits for more images", unit="ms",
@@ -153,9 +164,10 @@ class Settings:
             raise SettingsError(f"GREENSERVE_DEVICE={self.device!r} is not one of cpu, cuda, cuda:N, auto")
         if self.weights in ("", None):
             raise SettingsError("GREENSERVE_WEIGHTS is empty; use auto, imagenet, random or a file path")
-        if self.weights not in WEIGHTS_MODES and not os.path.isfile(self.weights):
-            raise SettingsError(f"GREENSERVE_WEIGHTS={self.weights!r} is neither auto/imagenet/random nor "
-                                "an existing file")
+        if self.weights not in WEIGHTS_MODES and not os.path.isfile(self.weights) and not (
+                self.model.startswith("open_clip:") and _TAG_RE.match(self.weights)):
+            raise SettingsError(f"GREENSERVE_WEIGHTS={self.weights!r} is neither auto/imagenet/random, an "
+                                "existing file, nor (for an open_clip model) a pretrained tag")
         if self.image_base_url:
             parts = urlsplit(self.image_base_url)
             if parts.scheme not in ("http", "https") or not parts.hostname:

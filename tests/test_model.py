@@ -9,8 +9,9 @@ import pytest
 import torch
 import torchvision
 
-from service.engine import model as model_mod
-from service.engine.model import ModelLoadError, load_model, split_head
+from service.engine import torchvision_family as model_mod
+from service.engine.model import ModelLoadError, load_model
+from service.engine.torchvision_family import split_head
 
 NAME = "resnet18"
 

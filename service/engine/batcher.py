@@ -27,7 +27,8 @@ from service.errors import DeadlineExceeded, InferenceFailed
 
 log = logging.getLogger(__name__)
 
-# Forward function: a uint8 (N, H, W, 3) batch → (features or None, logits), row i for image i.
+# Forward function: a stacked batch (uint8 (N, H, W, 3) crops, or (N, context) token ids) → (features or
+# None, logits or None), row i for item i.
 RunBatch = Callable[[np.ndarray], tuple]
 GATHER_GAP_S = 0.05  # with decode idle, a gathering batch goes once no image has arrived for this long
 GATHER_MAX_S = 2.0  # a gathering batch goes after this long whatever comes (a bound, not a tuning)
@@ -55,10 +56,10 @@ class Policy(Protocol):
 
 @dataclass(frozen=True)
 class Row:
-    """One image's outputs, with how long it queued and how long its batch ran."""
+    """One item's outputs, with how long it queued and how long its batch ran."""
 
     features: np.ndarray | None
-    logits: np.ndarray
+    logits: np.ndarray | None
     queue_s: float
     inference_s: float
     batch_size: int
@@ -250,8 +251,8 @@ class Batcher:
         log.debug("batch of %d image(s) in %.3fs", len(batch), seconds)
         self.stats.record(len(batch), seconds)
         for i, item in enumerate(batch):
-            item.result.set(Row(None if feats is None else feats[i], logits[i], started - item.enqueued,
-                                seconds, len(batch)))
+            item.result.set(Row(None if feats is None else feats[i], None if logits is None else logits[i],
+                                started - item.enqueued, seconds, len(batch)))
 
 
 def _upstream(group: Group | None) -> int:
@@ -263,6 +264,6 @@ def _forward_stacked(run_batch: RunBatch, pixels: list[np.ndarray]) -> tuple | E
     the collector logs once; raising here would make gevent print it as a crashed task too)."""
     try:
         feats, logits = run_batch(np.stack(pixels))
-        return (None if feats is None else np.asarray(feats)), np.asarray(logits)
+        return (None if feats is None else np.asarray(feats)), (None if logits is None else np.asarray(logits))
     except Exception as exc:
         return exc

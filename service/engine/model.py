@@ -1,31 +1,29 @@
-"""The model one worker owns: load (by name, weights mode, meta device + mmap), warm up, forward.
+"""The model one worker owns, whichever library built it: load, warm up, forward images and texts.
 
-One forward gives both outputs: the backbone's pooled penultimate features (the embedding) and the
-classifier head's logits. Everything here runs in the worker's single inference thread, after fork:
-never in the gunicorn master (libgomp and CUDA are not fork-safe).
+    GREENSERVE_MODEL          family            towers          embeddings from
+    resnet50, torchvision:X   torchvision_family  image          the pooled features before the classifier
+    open_clip:ARCH            open_clip_family  image + text    CLIP/SigLIP's joint space (``encode_image``/``text``)
+
+Everything here runs in the worker's inference thread (forwards) or its decode threads (tokenising),
+after fork: never in the gunicorn master (libgomp and CUDA are not fork-safe).
 """
 
 from __future__ import annotations
 
 import logging
-import os
-import time
-import warnings
-import zipfile
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
-import torchvision
 from torch import nn
-from torchvision.models import get_model_builder, get_model_weights, list_models
 
 from service.engine.transform import Transform
 
 log = logging.getLogger(__name__)
 
-RANDOM_SEED = 0  # random weights are seeded so every worker serves the same (meaningless) model
+FAMILIES = ("torchvision", "open_clip")
 WARMUP_BATCHES = (1, 4)  # shapes run once before /readyz says ready (first-call allocations, kernel picks)
 
 
@@ -33,36 +31,82 @@ class ModelLoadError(RuntimeError):
     """The configured model or weights cannot be loaded; the message says what to change."""
 
 
+def parse_model_name(spec: str) -> tuple[str, str]:
+    """``open_clip:ViT-B-32`` → (open_clip, ViT-B-32); a bare name is torchvision's (``resnet50``)."""
+    family, sep, name = spec.partition(":")
+    if not sep:
+        return "torchvision", spec
+    if family not in FAMILIES or not name:
+        raise ModelLoadError(f"GREENSERVE_MODEL={spec!r}: the family must be one of {', '.join(FAMILIES)} "
+                             "(torchvision:resnet50, open_clip:ViT-B-32; a bare name is torchvision's)")
+    return family, name
+
+
+@dataclass(frozen=True)
+class Tokens:
+    """Tokenised texts: ids padded to the context length, and how many tokens each text kept."""
+
+    ids: np.ndarray  # (n, context_length) int64
+    lengths: tuple[int, ...]  # tokens kept, start and end tokens included
+    truncated: tuple[bool, ...]  # the text had more tokens than the context length
+
+
 @dataclass(frozen=True)
 class ModelInfo:
     name: str
     tasks: tuple[str, ...]
     embedding_dim: int | None
-    labels: tuple[str, ...]
+    labels: tuple[str, ...]  # a classifier's fixed classes; empty for zero-shot models
     device: str
     dtype: str
-    weights: str  # "imagenet", "random", or the file it came from
+    weights: str  # "imagenet", "random", a pretrained tag, or the file it came from
     transform: Transform
     load_seconds: float = 0.0
     format: str = "torchvision"
+    family: str = "torchvision"
+    towers: tuple[str, ...] = ("image",)
+    context_length: int | None = None  # the text tower's, in tokens
+    logit_scale: float = 1.0  # zero-shot: softmax(logit_scale * cosine + logit_bias)
+    logit_bias: float = 0.0
 
     def public(self) -> dict[str, Any]:
-        return {"name": self.name, "tasks": list(self.tasks), "embedding_dim": self.embedding_dim,
-                "labels_count": len(self.labels), "device": self.device, "dtype": self.dtype,
-                "weights": self.weights, "format": self.format,
-                "input": {"resize": self.transform.resize_size, "crop": self.transform.crop_size},
-                "load_seconds": round(self.load_seconds, 3)}
+        t = self.transform
+        out: dict[str, Any] = {"name": self.name, "family": self.family, "towers": list(self.towers), "tasks": list(self.tasks),
+               "embedding_dim": self.embedding_dim, "labels_count": len(self.labels), "device": self.device,
+               "dtype": self.dtype, "weights": self.weights, "format": self.format,
+               "input": {"resize": t.resize_size, "crop": t.crop_size},
+               "preprocessing": {"resize": t.resize_size, "crop": t.crop_size, "resize_mode": t.resize_mode,
+                                 "interpolation": t.interpolation, "mean": list(t.mean), "std": list(t.std)},
+               "load_seconds": round(self.load_seconds, 3)}
+        if "text" in self.towers:
+            out["text"] = {"context_length": self.context_length, "over_context_length": "truncate",
+                           "logit_scale": round(self.logit_scale, 4), "logit_bias": round(self.logit_bias, 4)}
+        return out
+
+
+class TextTower(Protocol):
+    """A model's text side (``open_clip_family.ClipText``)."""
+
+    context_length: int
+
+    def tokenize(self, texts: Sequence[str]) -> Tokens: ...  # a decode thread: pure CPU, no torch forward
+
+    def encode(self, ids: torch.Tensor) -> torch.Tensor: ...  # the inference thread
 
 
 @dataclass
 class LoadedModel:
-    """A ready model: ``forward(uint8 NHWC batch) -> (embeddings, logits)`` as float32 CPU tensors."""
+    """A ready model: ``forward(uint8 NHWC batch) -> (embeddings, logits)`` as float32 CPU tensors (either may
+    be None: TorchScript classifiers give logits only, CLIP's image tower features only), and with a text
+    tower ``encode_text(token ids) -> embeddings``."""
 
     info: ModelInfo
-    module: nn.Module  # returns (features, logits), or logits only (TorchScript classifiers)
+    module: nn.Module  # returns (features, logits), or one tensor: logits, or features if ``features_only``
     device: torch.device
     dtype: torch.dtype = torch.float32
     channels_last: bool = True
+    text: TextTower | None = None
+    features_only: bool = False
     _mean: torch.Tensor = field(init=False, repr=False)
     _std: torch.Tensor = field(init=False, repr=False)
 
@@ -71,7 +115,7 @@ class LoadedModel:
         self._mean = torch.tensor(t.mean, device=self.device).view(1, 3, 1, 1) * 255
         self._std = torch.tensor(t.std, device=self.device).view(1, 3, 1, 1) * 255
 
-    def forward(self, batch: np.ndarray) -> tuple[torch.Tensor | None, torch.Tensor]:
+    def forward(self, batch: np.ndarray) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Run one batch of uint8 crops (N, H, W, 3). Call from the inference thread only."""
         with torch.inference_mode():
             x = torch.from_numpy(batch)
@@ -81,11 +125,24 @@ class LoadedModel:
             x = x.permute(0, 3, 1, 2).to(torch.float32).sub_(self._mean).div_(self._std)
             if not self.channels_last:
                 x = x.contiguous()
-            with _autocast(self.device, self.dtype):
+            with autocast(self.device, self.dtype):
                 out = self.module(x)
-            feats, logits = out if isinstance(out, tuple) else (None, out)
-            feats = None if feats is None else feats.float().flatten(1).cpu()
-            return feats, logits.float().cpu()
+            if isinstance(out, tuple):
+                feats, logits = out
+            else:
+                feats, logits = (out, None) if self.features_only else (None, out)
+            return _cpu(feats), _cpu(logits)
+
+    def tokenize(self, texts: Sequence[str]) -> Tokens:
+        """Texts → token ids (a decode thread); only for models with a text tower."""
+        assert self.text is not None
+        return self.text.tokenize(texts)
+
+    def encode_text(self, ids: np.ndarray) -> torch.Tensor:
+        """One batch of token ids (N, context_length) → text embeddings. The inference thread only."""
+        assert self.text is not None
+        with torch.inference_mode(), autocast(self.device, self.dtype):
+            return self.text.encode(torch.from_numpy(ids).to(self.device)).float().cpu()
 
     def set_threads(self, n: int) -> None:
         """torch intra-op threads for the calling (inference) thread's next forwards; CPU only."""
@@ -96,24 +153,26 @@ class LoadedModel:
         c = self.info.transform.crop_size
         for n in WARMUP_BATCHES:
             self.forward(np.zeros((n, c, c, 3), dtype=np.uint8))
+        if self.text is not None:
+            self.encode_text(self.tokenize(["a photo of a cat."] * WARMUP_BATCHES[-1]).ids)
 
 
-class EmbedClassify(nn.Module):
-    """A torchvision classifier split at its last Linear: ``forward(x) -> (features, logits)``."""
-
-    def __init__(self, backbone: nn.Module, head: nn.Linear, head_name: str) -> None:
-        super().__init__()
-        self.backbone = backbone
-        self.head = head
-        self.head_name = head_name  # where the head sat in ``backbone`` (for export)
-
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        feats = self.backbone(x)
-        return feats, self.head(feats)
+def _cpu(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.float().flatten(1).cpu()
 
 
-def classification_models() -> list[str]:
-    return list_models(module=torchvision.models)
+def load_model(name: str, weights: str, *, device: torch.device | None = None, channels_last: bool = True,
+               dtype: torch.dtype = torch.float32) -> LoadedModel:
+    """Load ``name`` (``GREENSERVE_MODEL``) with ``weights`` (``GREENSERVE_WEIGHTS``) through its family."""
+    family, arch = parse_model_name(name)
+    device = device or torch.device("cpu")
+    if family == "open_clip":
+        from service.engine import open_clip_family
+
+        return open_clip_family.load(arch, weights, device=device, dtype=dtype)
+    from service.engine import torchvision_family
+
+    return torchvision_family.load(arch, weights, device=device, channels_last=channels_last, dtype=dtype)
 
 
 def resolve_device(device: str, worker_ordinal: int = 0) -> torch.device:
@@ -129,160 +188,8 @@ def resolve_device(device: str, worker_ordinal: int = 0) -> torch.device:
     return torch.device("cpu")
 
 
-def _module_for(name: str, weights: str, device: torch.device) -> tuple[nn.Module, str, str]:
-    """The module for a weights mode: (module, where its weights came from, torchvision | torchscript)."""
-    if weights in ("auto", "imagenet"):
-        cached = cached_weights_path(name)
-        if cached is None and weights == "imagenet":
-            raise ModelLoadError(f"no pretrained {name} file in the torch cache ({torch.hub.get_dir()}); run "
-                                 f"`greenserve download-weights {name}` on a machine with internet")
-        if cached is None:
-            log.warning("NO PRETRAINED WEIGHTS for %s in %s: serving RANDOM weights (outputs are "
-                        "meaningless). Run `greenserve download-weights %s` or set GREENSERVE_WEIGHTS.",
-                        name, torch.hub.get_dir(), name)
-            return _random_model(name), "random", "torchvision"
-        return _from_state_dict(name, _load_state_dict(cached)), "imagenet", "torchvision"
-    if weights == "random":
-        log.warning("GREENSERVE_WEIGHTS=random: %s serves random weights (outputs are meaningless)", name)
-        return _random_model(name), weights, "torchvision"
-    if is_torchscript(weights):
-        return _load_torchscript(weights, device), weights, "torchscript"
-    return _from_state_dict(name, _load_state_dict(weights)), weights, "torchvision"
-
-
-def load_model(name: str, weights: str, *, device: torch.device | None = None, channels_last: bool = True,
-               dtype: torch.dtype = torch.float32) -> LoadedModel:
-    """Load ``name`` with ``weights`` = auto | imagenet | random | path (state dict or TorchScript)."""
-    started = time.perf_counter()
-    device = device or torch.device("cpu")
-    if name not in classification_models():
-        raise ModelLoadError(f"GREENSERVE_MODEL={name!r} is not a torchvision classification model; try "
-                             "resnet50, resnet18, efficientnet_b0, convnext_tiny, vit_b_16 ...")
-    enum = get_model_weights(name).DEFAULT
-    transform = transform_of(enum)
-    labels = tuple(enum.meta["categories"])
-    module, source, fmt = _module_for(name, weights, device)
-    if fmt == "torchvision":
-        split = split_head(module)
-        module, n_out = split, split.head.out_features
-        if n_out != len(labels):
-            labels = tuple(f"class_{i}" for i in range(n_out))
-    module.eval()
-    module = module.to(device)
-    if channels_last and fmt == "torchvision":
-        if not _is_channels_last(module):
-            log.info("converting %s to channels_last: a private copy of the weights in each worker; "
-                     "`greenserve export` writes a checkpoint that is shared instead", name)
-        # a no-op (no private copy) when the checkpoint was exported in channels_last already
-        module = module.to(memory_format=torch.channels_last)
-    model = LoadedModel(info=ModelInfo(name, (), None, labels, str(device), str(dtype).replace("torch.", ""),
-                                       source, transform, format=fmt),
-                        module=module, device=device, dtype=dtype, channels_last=channels_last)
-    feats, logits = model.forward(np.zeros((1, transform.crop_size, transform.crop_size, 3), np.uint8))
-    if logits.shape[1] != len(labels):
-        labels = tuple(f"class_{i}" for i in range(logits.shape[1]))
-    tasks = ("embeddings", "classify") if feats is not None else ("classify",)
-    model.info = ModelInfo(name, tasks, None if feats is None else feats.shape[1], labels, str(device),
-                           str(dtype).replace("torch.", ""), source, transform,
-                           time.perf_counter() - started, fmt)
-    return model
-
-
-def export_checkpoint(name: str, weights: str, out: str, *, channels_last: bool = True) -> dict[str, Any]:
-    """Write ``name``'s weights as a state dict already in the serving layout, so that workers map it
-    from the page cache and share it (an in-place conversion after loading would copy it per worker).
-
-    Conv+BN folding is not applied: it measured no faster here (ratio 1.000 on resnet50, CPU) and would
-    make the file unloadable as a plain torchvision state dict.
-    """
-    model = load_model(name, weights, channels_last=channels_last)
-    if model.info.format != "torchvision":
-        raise ModelLoadError("export takes torchvision weights (auto, imagenet, random or a state dict)")
-    split = model.module
-    assert isinstance(split, EmbedClassify)
-    state = _rejoin_head(split).state_dict()
-    torch.save(state, out)
-    return {"model": name, "weights": model.info.weights, "out": out, "channels_last": channels_last,
-            "tensors": len(state), "bytes": os.path.getsize(out)}
-
-
-def _rejoin_head(split: EmbedClassify) -> nn.Module:
-    """Put the classifier head back where ``split_head`` took it, for a torchvision-shaped state dict."""
-    _swap(split.backbone, split.head_name, split.head)
-    return split.backbone
-
-
-def _is_channels_last(module: nn.Module) -> bool:
-    return all(p.dim() != 4 or p.is_contiguous(memory_format=torch.channels_last) for p in module.parameters())
-
-
-def transform_of(enum: Any) -> Transform:
-    t = enum.transforms()
-    return Transform(resize_size=int(t.resize_size[0]), crop_size=int(t.crop_size[0]),
-                     mean=tuple(t.mean), std=tuple(t.std), interpolation=t.interpolation.value)
-
-
-def cached_weights_path(name: str) -> str | None:
-    """Where torchvision's pretrained file for ``name`` lives in the local torch cache, if it is there."""
-    url = get_model_weights(name).DEFAULT.url
-    path = os.path.join(torch.hub.get_dir(), "checkpoints", os.path.basename(url))
-    return path if os.path.isfile(path) else None
-
-
-def is_torchscript(path: str) -> bool:
-    try:
-        with zipfile.ZipFile(path) as zf:
-            return any(n.endswith("constants.pkl") or "/code/" in n for n in zf.namelist())
-    except zipfile.BadZipFile:
-        return False
-
-
-def split_head(model: nn.Module) -> EmbedClassify:
-    """Cut ``model`` at its last ``nn.Linear``: what feeds it is the embedding."""
-    last = _last_linear_name(model)
-    if last is None:
-        raise ModelLoadError(f"{type(model).__name__} has no Linear classifier head; embeddings need one")
-    head = _swap(model, last, nn.Identity())
-    assert isinstance(head, nn.Linear)  # what _last_linear_name found
-    return EmbedClassify(model, head, last)
-
-
-def _last_linear_name(model: nn.Module) -> str | None:
-    last = None
-    for qualname, mod in model.named_modules():
-        if isinstance(mod, nn.Linear):
-            last = qualname
-    return last
-
-
-def _swap(model: nn.Module, qualname: str, new: nn.Module) -> nn.Module:
-    """Put ``new`` at ``qualname`` inside ``model``; return what was there."""
-    parent_name, _, attr = qualname.rpartition(".")
-    parent = model.get_submodule(parent_name) if parent_name else model
-    old = getattr(parent, attr)
-    setattr(parent, attr, new)
-    return old
-
-
-def _load_torchscript(path: str, device: torch.device) -> nn.Module:
-    # torch deprecates TorchScript in favour of torch.export, but users still ship .ts/.pt archives;
-    # say it once in our log instead of a FutureWarning per worker.
-    log.info("loading TorchScript archive %s (deprecated upstream; a state dict loads faster and shares memory)",
-             path)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=r"`torch\.jit\.load` is deprecated", category=FutureWarning)
-        try:
-            return torch.jit.load(path, map_location=device)
-        except RuntimeError as exc:
-            raise ModelLoadError(f"cannot load TorchScript file {path!r}: {str(exc)[:300]}") from exc
-
-
-def _random_model(name: str) -> nn.Module:
-    torch.manual_seed(RANDOM_SEED)
-    return get_model_builder(name)(weights=None)
-
-
-def _load_state_dict(path: str) -> dict[str, torch.Tensor]:
+def load_state_dict(path: str) -> dict[str, torch.Tensor]:
+    """A state dict file, memory-mapped (workers share its pages), ``module.`` prefixes dropped."""
     try:
         state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
     except (RuntimeError, OSError, ValueError, EOFError) as exc:
@@ -295,32 +202,16 @@ def _load_state_dict(path: str) -> dict[str, torch.Tensor]:
     return {k.removeprefix("module."): v for k, v in state.items()}
 
 
-def _from_state_dict(name: str, state: dict[str, torch.Tensor]) -> nn.Module:
-    """Build on the meta device and adopt the (mmapped) tensors: no second copy of the weights."""
-    builder = get_model_builder(name)
-    kwargs: dict[str, Any] = {}
-    with torch.device("meta"):
-        model = builder(weights=None)
-    head_key = f"{_last_linear_name(model)}.weight"
-    if head_key in state and state[head_key].shape[0] != model.get_submodule(head_key[:-7]).out_features:
-        kwargs["num_classes"] = state[head_key].shape[0]
-        with torch.device("meta"):
-            model = builder(weights=None, **kwargs)
-    if name.startswith(("inception", "googlenet")) and not any(k.startswith("aux") or "Aux" in k for k in state):
-        with torch.device("meta"):
-            model = builder(weights=None, aux_logits=False, init_weights=False, **kwargs)
-    try:
-        model.load_state_dict(state, strict=True, assign=True)
-    except RuntimeError as exc:
-        raise ModelLoadError(f"the weights do not fit {name}: {str(exc)[:500]}; check GREENSERVE_MODEL "
-                             "matches the architecture the file was saved from") from exc
-    missing = [n for n, t in (*model.named_parameters(), *model.named_buffers()) if t.is_meta]
-    if missing:
-        raise ModelLoadError(f"the weights file leaves {name} tensors unset: {', '.join(missing[:5])}")
-    return model
+def unset_tensors(model: nn.Module) -> list[str]:
+    """Parameters and buffers still on the meta device (the weights file did not set them)."""
+    return [n for n, t in (*model.named_parameters(), *model.named_buffers()) if t.is_meta]
 
 
-def _autocast(device: torch.device, dtype: torch.dtype) -> Any:
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def autocast(device: torch.device, dtype: torch.dtype) -> Any:
     if dtype == torch.float32:
         return torch.autocast(device.type, enabled=False)
     return torch.autocast(device.type, dtype=dtype)

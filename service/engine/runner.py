@@ -4,6 +4,8 @@
     Runner.admit(n)     reserve n images of this worker's queue, or 503 + Retry-After (``scheduling``)
     Runner.offload()    CPU work (decode, preprocess, a big JSON body) in a decode thread, in request order
     Runner.infer()      queue one image for the batcher; wait on the returned result cooperatively
+    Runner.tokenize()   texts → token ids in a decode thread (models with a text tower)
+    Runner.infer_text() queue one text for the text batcher: same inference thread, never in an image batch
 
 The order in which requests move through a worker is ``scheduling.Scheduler``'s; how many cores the
 forward uses is ``threads.ThreadPlan``'s.
@@ -15,8 +17,8 @@ import contextlib
 import logging
 import os
 import threading
-from collections.abc import Callable, Iterator
-from typing import Any, Protocol, TypeVar
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, Protocol, TypeVar, cast
 
 import gevent
 import numpy as np
@@ -25,10 +27,10 @@ from gevent.threadpool import ThreadPool
 
 from service import metrics
 from service.engine.batcher import Batcher
-from service.engine.model import ModelInfo
+from service.engine.model import ModelInfo, Tokens
 from service.engine.scheduling import Admission, Rank, Scheduler
 from service.engine.threads import Siblings, ThreadPlan, lower_priority
-from service.errors import GreenserveError
+from service.errors import GreenserveError, RequestError
 from service.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -43,6 +45,14 @@ class Model(Protocol):
     def forward(self, batch: np.ndarray) -> tuple[Any, Any]: ...
 
     def warm_up(self) -> None: ...
+
+
+class TextModel(Model, Protocol):
+    """A model with a text tower (``info.towers`` has "text")."""
+
+    def tokenize(self, texts: Sequence[str]) -> Tokens: ...
+
+    def encode_text(self, ids: np.ndarray) -> Any: ...
 
 
 class Runner:
@@ -61,6 +71,11 @@ class Runner:
                                across_requests=settings.batch_across_requests, policy=self.scheduling)
         self.scheduling.watch(self.batcher)
         self.batcher.stats.on_batch = metrics.observe_batch
+        # texts get their own batcher on the same one-thread pool: their forwards take turns with the
+        # images' batches and are never mixed into one
+        self.text_batcher = Batcher(self._forward_texts, self._infer_pool, max_batch=settings.max_text_batch,
+                                    max_wait_s=settings.max_batch_wait_ms / 1000)
+        self.text_batcher.stats.on_batch = metrics.observe_text_batch
         self._loader = loader
         self.model: Model | None = model
         self.load_error: BaseException | None = None
@@ -73,6 +88,7 @@ class Runner:
     def start(self) -> None:
         """Begin serving: load the model in the background unless one was given."""
         self.batcher.start()
+        self.text_batcher.start()
         if self.model is None and self._loader is not None:
             gevent.spawn(self._load)
 
@@ -129,6 +145,27 @@ class Runner:
 
     def infer(self, pixels: np.ndarray, deadline: float | None, admission: Admission) -> AsyncResult:
         return self.batcher.submit(pixels, deadline, admission, admission.arrived)
+
+    def tokenize(self, texts: Sequence[str], *, rank: Rank | None = None) -> Tokens:
+        return self.offload(self._text_model().tokenize, list(texts), rank=rank)
+
+    def infer_text(self, ids: np.ndarray, deadline: float | None, admission: Admission) -> AsyncResult:
+        return self.text_batcher.submit(ids, deadline, admission, admission.arrived)
+
+    def _text_model(self) -> TextModel:
+        info = self.info
+        if info is None or "text" not in info.towers:
+            name = info.name if info else "the model"
+            raise RequestError(f"{name} has no text tower, so it cannot embed texts; serve an open_clip model "
+                               "(GREENSERVE_MODEL=open_clip:ViT-B-32) for text", code="text_not_supported")
+        return cast(TextModel, self.model)
+
+    def _forward_texts(self, ids: np.ndarray) -> tuple[Any, None]:
+        assert threading.current_thread() is not threading.main_thread()
+        model = self._text_model()
+        lower_priority(self._inference_nice)
+        self.threads.apply(model)
+        return model.encode_text(ids), None
 
     def _forward(self, batch: np.ndarray) -> tuple[Any, Any]:
         assert self.model is not None and threading.current_thread() is not threading.main_thread()

@@ -1,4 +1,5 @@
-"""The model weights' own preprocessing facts (torchvision's ``weights.transforms()``), as plain data."""
+"""The model's own preprocessing facts (torchvision's ``weights.transforms()``, open_clip's preprocess config),
+as plain data."""
 
 from __future__ import annotations
 
@@ -18,3 +19,4 @@ class Transform:
     mean: tuple[float, float, float] = IMAGENET_MEAN
     std: tuple[float, float, float] = IMAGENET_STD
     interpolation: str = "bilinear"
+    resize_mode: str = "shortest"  # shortest side to resize_size, then centre crop | squash: whole image to crop

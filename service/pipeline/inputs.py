@@ -17,6 +17,7 @@ from typing import Any
 from urllib.parse import urljoin, urlsplit
 
 from service.errors import FetchError, ImageError, ImageTooLarge, PayloadTooLarge, RequestError
+from service.pipeline.text_inputs import TASK_FIELDS, TextOptions, parse_text_options
 from service.settings import Settings
 
 DEFAULT_TOP_K = 5
@@ -24,6 +25,7 @@ OPTION_FIELDS = ("top_k", "normalize", "partial")
 _DATA_URL_RE = re.compile(r"^data:(?P<mime>[\w.+-]+/[\w.+-]+)?(?P<params>(;[\w.+-]+=[\w.+-]+)*)"
                           r"(?P<b64>;base64)?,", re.IGNORECASE)
 _LABEL_MAX = 200
+TEXT_FORM_FIELDS = ("template", "query")  # form fields that stay strings
 
 
 @dataclass(frozen=True)
@@ -43,10 +45,12 @@ class InferenceRequest:
     top_k: int = DEFAULT_TOP_K
     normalize: bool = True
     partial: bool = False
+    text: TextOptions = TextOptions()
 
 
-def parse_json(body: bytes, settings: Settings) -> InferenceRequest:
-    """``{"images": [...], "top_k": 5, "normalize": true, "partial": false}`` → request."""
+def parse_json(body: bytes, settings: Settings, task: str = "embeddings") -> InferenceRequest:
+    """``{"images": [...], "top_k": 5, "normalize": true, "partial": false}`` → request; ``task``'s text
+    fields too (``texts`` instead of images for embeddings, ``labels`` for classify, ``query`` for rank)."""
     if not body.strip():
         raise RequestError('the request body is empty; send JSON like {"images": ["https://.../a.jpg"]}',
                            code="invalid_json")
@@ -57,10 +61,15 @@ def parse_json(body: bytes, settings: Settings) -> InferenceRequest:
                            '{"images": ["https://.../a.jpg"]}', code="invalid_json") from exc
     if not isinstance(doc, dict):
         raise RequestError('the JSON body must be an object like {"images": [...]}')
-    unknown = sorted(set(doc) - {"images", *OPTION_FIELDS})
+    allowed = ("images", *OPTION_FIELDS, *TASK_FIELDS[task])
+    unknown = sorted(set(doc) - set(allowed))
     if unknown:
-        raise RequestError(f"unknown field(s) {', '.join(map(repr, unknown))}; allowed: images, "
-                           f"{', '.join(OPTION_FIELDS)}")
+        raise RequestError(f"unknown field(s) {', '.join(map(repr, unknown))}; allowed: {', '.join(allowed)}")
+    text = parse_text_options(doc, task, settings)
+    if text.texts:
+        if "images" in doc:
+            raise RequestError('send "images" or "texts", not both: one request embeds one kind')
+        return InferenceRequest((), **_options(doc, settings), text=text)
     images = doc.get("images")
     if not isinstance(images, list) or not images:
         raise RequestError('"images" must be a non-empty list of URLs, relative names or data: URLs')
@@ -70,16 +79,18 @@ def parse_json(body: bytes, settings: Settings) -> InferenceRequest:
         if not isinstance(item, str) or not item.strip():
             raise RequestError(f"images[{i}] must be a non-empty string (URL, relative name or data: URL)")
         refs.append(_string_ref(i, item.strip(), settings))
-    return InferenceRequest(tuple(refs), **_options(doc, settings))
+    return InferenceRequest(tuple(refs), **_options(doc, settings, task), text=text)
 
 
-def parse_form(fields: Mapping[str, str], files: Sequence[tuple[str, bytes]],
-               settings: Settings) -> InferenceRequest:
-    """multipart/form-data: files in the field ``images`` (filename, bytes), options as form fields."""
-    unknown = sorted(set(fields) - set(OPTION_FIELDS))
+def parse_form(fields: Mapping[str, str], files: Sequence[tuple[str, bytes]], settings: Settings,
+               task: str = "embeddings", labels: Sequence[str] = ()) -> InferenceRequest:
+    """multipart/form-data: files in the field ``images`` (filename, bytes), options as form fields
+    (``labels`` repeated: ``-F labels=cat -F labels=dog``)."""
+    allowed = (*OPTION_FIELDS, *(f for f in TASK_FIELDS[task] if f != "texts"))
+    unknown = sorted(set(fields) - set(allowed))
     if unknown:
         raise RequestError(f"unknown form field(s) {', '.join(map(repr, unknown))}; send files in the "
-                           f"field 'images' and options among {', '.join(OPTION_FIELDS)}")
+                           f"field 'images' and options among {', '.join(allowed)}")
     if not files:
         raise RequestError("no files in the form field 'images'; upload with -F images=@photo.jpg")
     _check_count(len(files), settings)
@@ -88,8 +99,11 @@ def parse_form(fields: Mapping[str, str], files: Sequence[tuple[str, bytes]],
         name = filename or f"upload-{i}"
         err = _size_error(len(data), settings)
         refs.append(ImageRef(i, name[:_LABEL_MAX], data=None if err else data, error=err))
-    options = {k: _form_value(k, v) for k, v in fields.items()}
-    return InferenceRequest(tuple(refs), **_options(options, settings))
+    options = {k: v if k in TEXT_FORM_FIELDS else _form_value(k, v) for k, v in fields.items()}
+    if labels:
+        options["labels"] = list(labels)
+    text = parse_text_options(options, task, settings)
+    return InferenceRequest(tuple(refs), **_options(options, settings, task), text=text)
 
 
 def _check_count(n: int, settings: Settings) -> None:
@@ -156,8 +170,9 @@ def _form_value(name: str, raw: str) -> Any:
     raise RequestError(f"{name}={raw!r} is not a boolean; use true or false")
 
 
-def _options(doc: Mapping[str, Any], settings: Settings) -> dict[str, Any]:
-    top_k = doc.get("top_k", DEFAULT_TOP_K)
+def _options(doc: Mapping[str, Any], settings: Settings, task: str = "embeddings") -> dict[str, Any]:
+    # rank returns every image (ordered) unless asked for fewer
+    top_k = doc.get("top_k", settings.max_top_k if task == "rank" else DEFAULT_TOP_K)
     if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= settings.max_top_k:
         raise RequestError(f"top_k must be a whole number from 1 to {settings.max_top_k}; got {top_k!r}")
     out: dict[str, Any] = {"top_k": top_k}

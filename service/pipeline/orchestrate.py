@@ -4,7 +4,10 @@
     2. fetch     URLs on greenlets (bounded pool); data: URLs and uploads are already bytes
     3. decode    bytes → RGB → crop, in the decode thread pool (Pillow drops the GIL)
     4. infer     crop → micro-batcher → the one inference thread
-    5. post      rows → normalised embeddings / top-k labels, in request order
+    5. post      rows → normalised embeddings / top-k labels / zero-shot scores / ranks, in request order
+
+Zero-shot labels and a rank query are embedded first (usually from the worker's cache: ``texts``); a
+texts-only request goes straight to the text tower (``run_texts``).
 
 ``timings_ms`` holds, per stage, the wall-clock span from its first start to its last end for this
 request; stages overlap (image 2 is fetched while image 1 is decoded), so they need not add up to
@@ -33,6 +36,7 @@ from service.pipeline.decode import decode_image
 from service.pipeline.fetch import Fetcher
 from service.pipeline.inputs import ImageRef, InferenceRequest
 from service.pipeline.preprocess import preprocess
+from service.pipeline.texts import TextEncoder
 
 
 @dataclass
@@ -80,10 +84,11 @@ def decode_and_crop(data: bytes, transform: Transform, max_pixels: int) -> np.nd
 
 
 class Orchestrator:
-    def __init__(self, runner: Runner, fetcher: Fetcher, *, max_pixels: int,
+    def __init__(self, runner: Runner, fetcher: Fetcher, texts: TextEncoder, *, max_pixels: int,
                  on_image_error: Callable[[ImageError], None] | None = None) -> None:
         self.runner = runner
         self.fetcher = fetcher
+        self.texts = texts
         self.max_pixels = max_pixels
         self.on_image_error = on_image_error
 
@@ -92,6 +97,8 @@ class Orchestrator:
 
         With ``partial`` false the first unusable image ends the request at once: its other fetches are
         cancelled, its decodes stopped and its queued images dropped before the model."""
+        if req.text.texts:
+            return self.run_texts(req, deadline=deadline)
         spans = _Spans()
         outcomes: dict[int, Row | ImageError] = {r.index: r.error for r in req.refs if r.error is not None}
         if outcomes and not req.partial:
@@ -104,12 +111,35 @@ class Orchestrator:
             timeout = gevent.Timeout(max(0.0, deadline - time.monotonic()),
                                      DeadlineExceeded("the request deadline passed; retry with fewer images or "
                                                       "a longer X-Request-Timeout"))
+            prompts = None
             try:
                 with timeout:
+                    if req.text.prompts:
+                        t0 = time.monotonic()
+                        prompts = self.texts.unit_vectors(req.text.prompts, deadline=deadline, admission=admission)
+                        spans.add("text", t0, time.monotonic())
                     self._process(req, work, request_id)
             except _ImageFailed:
                 self._fail(req, outcomes)
-        return self._respond(req, task, info, outcomes, spans)
+        return self._respond(req, task, info, outcomes, spans, prompts)
+
+    def run_texts(self, req: InferenceRequest, *, deadline: float) -> dict[str, Any]:
+        """Text embeddings: ``{"data": [{"index", "embedding", "tokens", "truncated"}], ...}``."""
+        spans = _Spans()
+        texts = req.text.texts
+        with self.runner.admit(len(texts), coming=0, arrived=spans.started) as admission:
+            with gevent.Timeout(max(0.0, deadline - time.monotonic()),
+                                DeadlineExceeded("the request deadline passed; send fewer texts or a longer "
+                                                 "X-Request-Timeout")):
+                rows = self.texts.encode(texts, deadline=deadline, admission=admission, truncate=req.text.truncate)
+        data = [{"index": i, "embedding": postprocess.embedding(r.embedding, normalize=req.normalize),
+                 "tokens": r.tokens, "truncated": r.truncated} for i, r in enumerate(rows)]
+        now = time.monotonic()
+        inference = max(r.inference_s for r in rows)
+        queue = max(r.queue_s for r in rows)
+        return {"data": data, "errors": [], "timings_ms": {
+            "queue": round(queue * 1000, 1), "inference": round(inference * 1000, 1),
+            "total": round((now - spans.started) * 1000, 1)}}
 
     def _process(self, req: InferenceRequest, work: _Work, request_id: str) -> None:
         group = gevent.pool.Group()
@@ -170,22 +200,32 @@ class Orchestrator:
         return failures
 
     def _respond(self, req: InferenceRequest, task: str, info: ModelInfo, outcomes: dict[int, Row | ImageError],
-                 spans: _Spans) -> dict[str, Any]:
+                 spans: _Spans, prompts: np.ndarray | None) -> dict[str, Any]:
         failures = self._report_failures(req, outcomes)
-        labels = info.labels
         data = []
         for ref in req.refs:
             row = outcomes.get(ref.index)
-            if not isinstance(row, Row):
-                continue
-            item: dict[str, Any] = {"index": ref.index, "image": ref.name}
-            if task == "embeddings":
-                assert row.features is not None  # the api refuses embeddings from a model without them
-                item["embedding"] = postprocess.embedding(row.features, normalize=req.normalize)
-            else:
-                item["labels"] = postprocess.top_k(row.logits, req.top_k, labels)
-            data.append(item)
-        timings = {stage: spans.ms(stage) for stage in ("fetch", "decode", "queue", "inference")}
+            if isinstance(row, Row):
+                data.append({"index": ref.index, "image": ref.name, **_result(req, task, info, row, prompts)})
+        if task == "rank":  # best first; ties keep request order
+            data = sorted(data, key=lambda item: -item["score"])[:req.top_k]
+        timings = {stage: spans.ms(stage) for stage in ("text", "fetch", "decode", "queue", "inference")
+                   if stage != "text" or prompts is not None}
         timings["total"] = round((time.monotonic() - spans.started) * 1000, 1)
         return {"data": data, "errors": [image_error_item(i, name, err) for i, name, err in failures],
                 "timings_ms": timings}
+
+
+def _result(req: InferenceRequest, task: str, info: ModelInfo, row: Row, prompts: np.ndarray | None) -> dict[str, Any]:
+    """One image's answer for ``task``."""
+    if task == "embeddings":
+        assert row.features is not None  # the api refuses embeddings from a model without them
+        return {"embedding": postprocess.embedding(row.features, normalize=req.normalize)}
+    if prompts is None:  # a classifier's own labels
+        assert row.logits is not None
+        return {"labels": postprocess.top_k(row.logits, req.top_k, info.labels)}
+    assert row.features is not None
+    if task == "rank":
+        return {"score": postprocess.cosine(row.features, prompts[0])}
+    return {"labels": postprocess.zero_shot(row.features, prompts, req.top_k, req.text.labels,
+                                            scale=info.logit_scale, bias=info.logit_bias)}

@@ -29,3 +29,18 @@ def top_k(logits: np.ndarray, k: int, labels: Sequence[str]) -> list[dict[str, A
     best = np.argpartition(-probs, k - 1)[:k]
     best = best[np.argsort(-probs[best], kind="stable")]
     return [{"label": labels[i], "class_id": int(i), "score": round(float(probs[i]), 6)} for i in best]
+
+
+def zero_shot(image: np.ndarray, label_units: np.ndarray, k: int, labels: Sequence[str], *, scale: float,
+              bias: float) -> list[dict[str, Any]]:
+    """CLIP zero-shot: softmax over ``scale * cosine + bias`` against the caller's labels, best ``k`` first."""
+    cosines = label_units @ embedding(image, normalize=True)
+    scored = top_k(cosines * np.float32(scale) + np.float32(bias), k, labels)
+    for item in scored:
+        item["cosine"] = round(float(cosines[item["class_id"]]), 6)
+    return scored
+
+
+def cosine(image: np.ndarray, unit: np.ndarray) -> float:
+    """The cosine between an image's embedding and a unit vector (a query's)."""
+    return round(float(embedding(image, normalize=True) @ unit), 6)

@@ -20,8 +20,12 @@ _RESAMPLE = {"bilinear": Image.Resampling.BILINEAR, "bicubic": Image.Resampling.
 
 
 def preprocess(img: Image.Image, t: Transform) -> np.ndarray:
-    """Resize so the shorter side is ``resize_size``, centre-crop ``crop_size``: one resample call."""
+    """Resize so the shorter side is ``resize_size``, centre-crop ``crop_size``: one resample call.
+    ``squash`` (SigLIP's) resizes the whole image to ``crop_size`` square instead."""
     w, h = img.size
+    if t.resize_mode == "squash":
+        out = img.resize((t.crop_size, t.crop_size), _RESAMPLE[t.interpolation])
+        return np.asarray(out, dtype=np.uint8)
     scale = t.resize_size / min(w, h)
     # the centre crop, expressed in source pixels, resized straight to crop x crop
     half_w = t.crop_size / scale / 2

@@ -1,0 +1,210 @@
+"""CLIP's own benchmarks: what speeds a ViT up on this CPU, and text embeddings per second through the server.
+
+``python -m bench.clip_bench [--model open_clip:ViT-B-32] [--only speed text]``
+
+- speed: the model alone, in this process (torch on every core), timed in alternation, each variant against
+  the serving default at the same batch: image batch size 1/8/32; channels_last; the attention fast path
+  (``nn.MultiheadAttention``'s fused SDPA kernel) off; bf16 autocast; texts trimmed to the batch's longest
+  (the default) vs the full 77-token context. Outputs are compared with the default's (cosine).
+- text: a real ``gunicorn -k gevent`` (default workers) serving the model; texts/s and request latency for
+  1, 16 and 256 texts per request, closed loop with 4 clients, against the text tower alone (bare: batches
+  of 64, every core) on the same texts.
+
+Prints the command, the machine and a table per section; writes bench/out/clip.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import requests
+
+from bench import bare
+from bench.report import machine
+from harness.launch import GunicornServer
+
+OUT = Path("bench/out")
+WORDS = ("photo dog cat beach mountain sunset city street car child birthday cake snow forest river "
+         "friends dinner concert garden flowers bicycle train airport museum painting night lights").split()
+
+
+def captions(n: int, seed: int = 0) -> list[str]:
+    """Album-search-like queries, 4 to 12 words (8 to 16 tokens), all different."""
+    rng = np.random.default_rng(seed)
+    return [f"a {' '.join(rng.choice(WORDS, rng.integers(3, 11)))} {i}" for i in range(n)]
+
+
+def timed(fn: Callable[[], Any], reps: int) -> float:
+    fn()
+    started = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    return (time.perf_counter() - started) / reps
+
+
+def _cos(a: Any, b: Any) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(((a * b).sum(1) / np.linalg.norm(a, axis=1) / np.linalg.norm(b, axis=1)).min())
+
+
+def speed(model_name: str, weights: Path, cores: int) -> list[dict[str, Any]]:
+    import torch
+
+    from service.engine.model import load_model
+
+    torch.set_num_threads(cores)
+    model = load_model(model_name, str(weights))
+    model.warm_up()
+    crop = model.info.transform.crop_size
+    rows = []
+
+    def images(batch: int, label: str, setup: Callable[[], None], undo: Callable[[], None]) -> None:
+        pixels = np.random.default_rng(0).integers(0, 255, (batch, crop, crop, 3), dtype=np.uint8)
+        base = model.forward(pixels)[0]
+        reps = max(2, 32 // batch)
+        t_default = timed(lambda: model.forward(pixels), reps)
+        setup()
+        try:
+            out = model.forward(pixels)[0]
+            t_variant = timed(lambda: model.forward(pixels), reps)
+        finally:
+            undo()
+        t_default2 = timed(lambda: model.forward(pixels), reps)  # A-B-A: the machine's drift shows
+        default = (t_default + t_default2) / 2
+        rows.append({"what": label, "batch": batch, "default_per_s": round(batch / default, 2),
+                     "variant_per_s": round(batch / t_variant, 2), "ratio": round(default / t_variant, 3),
+                     "min_cosine": round(_cos(base, out), 6)})
+        print(json.dumps(rows[-1]), flush=True)
+
+    nothing = lambda: None  # noqa: E731
+    for batch in (1, 8, 32):
+        images(batch, "batch size (variant = default)", nothing, nothing)
+    images(32, "channels_last input", lambda: setattr(model, "channels_last", True),
+           lambda: setattr(model, "channels_last", False))
+    images(32, "attention fast path off", lambda: torch.backends.mha.set_fastpath_enabled(False),
+           lambda: torch.backends.mha.set_fastpath_enabled(True))
+    images(32, "bf16 autocast", lambda: setattr(model, "dtype", torch.bfloat16),
+           lambda: setattr(model, "dtype", torch.float32))
+    rows.append(_text_trim(model, reps=3))
+    print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def _text_trim(model: Any, reps: int) -> dict[str, Any]:
+    """The served text forward (trimmed to the longest text) vs open_clip's encode_text at 77 tokens."""
+    import torch
+
+    ids = model.tokenize(captions(64)).ids
+    clip = model.module.clip
+    trimmed = lambda: model.encode_text(ids)  # noqa: E731
+
+    def full() -> Any:
+        with torch.inference_mode():
+            return clip.encode_text(torch.from_numpy(ids))
+
+    t_trim, t_full = timed(trimmed, reps), timed(full, reps)
+    return {"what": "texts trimmed to the longest (variant: full 77 tokens)", "batch": 64,
+            "default_per_s": round(64 / t_trim, 1), "variant_per_s": round(64 / t_full, 1),
+            "ratio": round(t_trim / t_full, 3), "min_cosine": round(_cos(trimmed(), full()), 6)}
+
+
+def bare_texts(model_name: str, weights: Path, cores: int, texts: list[str]) -> float:
+    import torch
+
+    from service.engine.model import load_model
+
+    torch.set_num_threads(cores)
+    model = load_model(model_name, str(weights))
+    model.warm_up()
+    ids = model.tokenize(texts).ids
+
+    def once() -> None:
+        for i in range(0, len(ids), 64):
+            model.encode_text(ids[i:i + 64])
+
+    return len(texts) / timed(once, 2)
+
+
+def served_texts(url: str, per_request: int, clients: int, seconds: float) -> dict[str, Any]:
+    latencies: list[float] = []
+    stop = time.monotonic() + seconds
+    done = [0]
+
+    def client(k: int) -> None:
+        i = 0
+        with requests.Session() as s:
+            while time.monotonic() < stop:
+                body = {"texts": captions(per_request, seed=1000 * k + i)}
+                t0 = time.perf_counter()
+                r = s.post(url + "/v1/embeddings", json=body, timeout=300)
+                r.raise_for_status()
+                latencies.append(time.perf_counter() - t0)
+                done[0] += per_request
+                i += 1
+
+    started = time.perf_counter()
+    threads = [threading.Thread(target=client, args=(k,)) for k in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    elapsed = time.perf_counter() - started
+    return {"texts_per_request": per_request, "clients": clients, "requests": len(latencies),
+            "texts_per_s": round(done[0] / elapsed, 1), "p50_ms": round(statistics.median(latencies) * 1000, 1),
+            "max_ms": round(max(latencies) * 1000, 1)}
+
+
+def text(model_name: str, weights: Path, cores: int) -> dict[str, Any]:
+    yardstick = bare_texts(model_name, weights, cores, captions(256, seed=5))
+    env = {"GREENSERVE_MODEL": model_name, "GREENSERVE_WEIGHTS": str(weights), "GREENSERVE_LOG_LEVEL": "info"}
+    rows = []
+    with GunicornServer(env, workers=cores, ready_timeout_s=300) as srv:
+        for per_request in (1, 16, 256):
+            rows.append(served_texts(srv.url, per_request, clients=4, seconds=12))
+            rows[-1]["vs_bare"] = round(rows[-1]["texts_per_s"] / yardstick, 2)
+            print(json.dumps(rows[-1]), flush=True)
+    return {"bare_texts_per_s": round(yardstick, 1), "served": rows}
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    cols = list(rows[0])
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    return "\n".join(lines + ["| " + " | ".join(str(r[c]) for c in cols) + " |" for r in rows])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="open_clip:ViT-B-32")
+    parser.add_argument("--only", nargs="+", choices=("speed", "text"), default=["speed", "text"])
+    args = parser.parse_args(argv)
+    print("$ python -m bench.clip_bench " + " ".join(argv if argv is not None else sys.argv[1:]))
+    cores = len(os.sched_getaffinity(0))
+    info = machine(args.model, cores)
+    print(json.dumps(info), flush=True)
+    weights = bare.save_random_weights(args.model, Path(tempfile.gettempdir()) / f"{args.model.replace(':', '-')}-seed0.pt")
+    doc: dict[str, Any] = {"machine": info}
+    if "speed" in args.only:
+        doc["speed"] = speed(args.model, weights, cores)
+        print(table(doc["speed"]))
+    if "text" in args.only:
+        doc["text"] = text(args.model, weights, cores)
+        print(f"bare text tower: {doc['text']['bare_texts_per_s']} texts/s")
+        print(table(doc["text"]["served"]))
+    OUT.mkdir(exist_ok=True)
+    (OUT / "clip.json").write_text(json.dumps(doc, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

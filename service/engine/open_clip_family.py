@@ -1,0 +1,253 @@
+"""open_clip models (CLIP, SigLIP, ...): an image tower and a text tower that embed into one space.
+
+Weights are never downloaded here: ``random`` (seeded, so every worker serves the same model), a local
+file (open_clip's own checkpoint or a ``torch.save(model.state_dict())``), or a pretrained tag found in
+the local cache (``greenserve download-weights open_clip:ARCH --pretrained TAG`` fills it). A file is
+mapped, not read: the model is built on the meta device and adopts the mapped tensors, so the workers
+share one copy from the page cache.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import open_clip
+import torch
+from open_clip.constants import HF_SAFE_WEIGHTS_NAME, HF_WEIGHTS_NAME
+from open_clip.tokenizer import SimpleTokenizer
+from torch import nn
+
+from service.engine.model import LoadedModel, ModelInfo, ModelLoadError, Tokens, dtype_name, load_state_dict, unset_tensors
+from service.engine.transform import Transform
+
+log = logging.getLogger(__name__)
+
+RANDOM_SEED = 0
+TASKS = ("embeddings", "classify", "rank")
+
+
+def architectures() -> list[str]:
+    return list(open_clip.list_models())
+
+
+def pretrained_tags(arch: str) -> list[str]:
+    return list(open_clip.list_pretrained_tags_by_model(arch))
+
+
+class ImageTower(nn.Module):
+    """``forward(pixels) -> image embeddings`` (not normalised: the response normalises)."""
+
+    def __init__(self, clip: nn.Module) -> None:
+        super().__init__()
+        self.clip = clip
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.clip.encode_image(x)  # type: ignore[operator]  # open_clip's CLIP/CustomTextCLIP
+
+
+class ClipText:
+    """The text tower: open_clip's tokenizer (its vocabulary ships in the wheel) and ``encode_text``."""
+
+    def __init__(self, clip: nn.Module, tokenizer: Any) -> None:
+        self._clip = clip
+        self._tokenizer = tokenizer
+        self.context_length = int(tokenizer.context_length)
+        # CLIP's text transformer is causal and pools at the end token: a token never sees the padding
+        # after it, so a batch can run at its longest text's length instead of the context length (a
+        # 7-token query costs 1/11 of a 77-token forward), with the same result
+        self._trim = (isinstance(clip, open_clip.CLIP) and getattr(clip, "attn_mask", None) is not None
+                      and clip.text_pool_type == "argmax")
+
+    def tokenize(self, texts: Sequence[str]) -> Tokens:
+        """Truncates past the context length, keeping the end token (as open_clip does); says which did."""
+        tok = self._tokenizer
+        if not isinstance(tok, SimpleTokenizer) or tok.reduction_fn is not None:
+            ids = tok(list(texts)).numpy()
+            lengths = tuple(int(n) for n in (ids != 0).sum(axis=1))
+            return Tokens(ids, lengths, tuple(False for _ in texts))
+        n = self.context_length
+        ids = np.zeros((len(texts), n), dtype=np.int64)
+        kept: list[int] = []
+        cut: list[bool] = []
+        for i, text in enumerate(texts):
+            row = [tok.sot_token_id, *tok.encode(text), tok.eot_token_id]
+            cut.append(len(row) > n)
+            if len(row) > n:
+                row = row[:n]
+                row[-1] = tok.eot_token_id
+            ids[i, :len(row)] = row
+            kept.append(len(row))
+        return Tokens(ids, tuple(kept), tuple(cut))
+
+    def encode(self, ids: torch.Tensor) -> torch.Tensor:
+        if not self._trim:
+            return self._clip.encode_text(ids)  # type: ignore[operator]
+        clip: Any = self._clip
+        n = int((ids != 0).sum(dim=1).max())
+        ids = ids[:, :n]
+        cast = clip.transformer.get_cast_dtype()
+        x = clip.token_embedding(ids).to(cast) + clip.positional_embedding[:n].to(cast)
+        x = clip.ln_final(clip.transformer(x, attn_mask=clip.attn_mask[:n, :n]))
+        x = x[torch.arange(x.shape[0], device=x.device), ids.argmax(dim=-1)]  # the end token's features
+        proj = clip.text_projection
+        if proj is None:
+            return x
+        return proj(x) if isinstance(proj, nn.Linear) else x @ proj
+
+
+def load(arch: str, weights: str, *, device: torch.device, dtype: torch.dtype = torch.float32) -> LoadedModel:
+    started = time.perf_counter()
+    if arch not in architectures():
+        raise ModelLoadError(f"GREENSERVE_MODEL=open_clip:{arch} is not an open_clip architecture; try "
+                             "ViT-B-32, ViT-B-16, ViT-L-14, ViT-B-16-SigLIP (`greenserve models`)")
+    built, source, tag_cfg = _build(arch, weights)
+    clip: Any = built.eval().to(device)
+    transform = _transform(open_clip.get_model_preprocess_cfg(clip), tag_cfg)
+    text = ClipText(clip, open_clip.get_tokenizer(arch))
+    scale = float(clip.logit_scale.detach().exp()) if getattr(clip, "logit_scale", None) is not None else 100.0
+    bias = float(clip.logit_bias.detach()) if getattr(clip, "logit_bias", None) is not None else 0.0
+    name = f"open_clip:{arch}"
+    info = ModelInfo(name, TASKS, None, (), str(device), dtype_name(dtype), source, transform, format="open_clip",
+                     family="open_clip", towers=("image", "text"), context_length=text.context_length,
+                     logit_scale=scale, logit_bias=bias)
+    # channels_last does nothing for a ViT (one patchifying conv, then matmuls): measured in BENCHMARKS
+    model = LoadedModel(info=info, module=ImageTower(clip), device=device, dtype=dtype, channels_last=False,
+                        text=text, features_only=True)
+    feats, _ = model.forward(np.zeros((1, transform.crop_size, transform.crop_size, 3), np.uint8))
+    assert feats is not None
+    model.info = ModelInfo(name, TASKS, feats.shape[1], (), str(device), dtype_name(dtype), source, transform,
+                           time.perf_counter() - started, "open_clip", "open_clip", ("image", "text"),
+                           text.context_length, scale, bias)
+    return model
+
+
+def _build(arch: str, weights: str) -> tuple[nn.Module, str, dict[str, Any]]:
+    """(the model with its weights, where they came from, the pretrained tag's config if any)."""
+    if weights == "auto":
+        cached = next((t for t in pretrained_tags(arch) if cached_pretrained(arch, t)), None)
+        if cached is None:
+            log.warning("NO PRETRAINED WEIGHTS for open_clip:%s in the local cache: serving RANDOM weights "
+                        "(outputs are meaningless). Run `greenserve download-weights open_clip:%s --pretrained "
+                        "TAG` or set GREENSERVE_WEIGHTS.", arch, arch)
+            return _random(arch), "random", {}
+        weights = cached
+    if weights == "random":
+        log.warning("GREENSERVE_WEIGHTS=random: open_clip:%s serves random weights (outputs are meaningless)", arch)
+        return _random(arch), "random", {}
+    if weights == "imagenet":
+        raise ModelLoadError("GREENSERVE_WEIGHTS=imagenet is for torchvision models; for open_clip give a "
+                             f"pretrained tag ({', '.join(pretrained_tags(arch)[:4])} ...), random or a file")
+    if os.path.isfile(weights):
+        return _from_file(arch, weights, {}), weights, {}
+    tag_cfg = _tag_config(arch, weights)
+    path = cached_pretrained(arch, weights)
+    if path is None:
+        raise ModelLoadError(f"open_clip:{arch} pretrained {weights!r} is not in the local cache; run "
+                             f"`greenserve download-weights open_clip:{arch} --pretrained {weights}` on a machine "
+                             "with internet and copy the cache over (README: offline weights)")
+    return _from_file(arch, path, tag_cfg), weights, tag_cfg
+
+
+class _QuietCreate(logging.Filter):
+    """open_clip logs "No pretrained weights loaded ... initialized randomly" on the root logger whenever it
+    builds without a tag, also when the weights come next from a file; our own log says where they came from."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("No pretrained weights loaded")
+
+
+def _create(arch: str, **kwargs: Any) -> nn.Module:
+    quiet = _QuietCreate()
+    logging.getLogger().addFilter(quiet)
+    try:
+        return open_clip.create_model(arch, pretrained=None, load_weights=False, **kwargs)
+    finally:
+        logging.getLogger().removeFilter(quiet)
+
+
+def _random(arch: str) -> nn.Module:
+    torch.manual_seed(RANDOM_SEED)
+    return _create(arch)
+
+
+def _from_file(arch: str, path: str, tag_cfg: dict[str, Any]) -> nn.Module:
+    """Build on the meta device and adopt the file's (mmapped) tensors: no second copy of the weights."""
+    clip: Any = _create(arch, device="meta", force_quick_gelu=bool(tag_cfg.get("quick_gelu", False)))
+    if path.endswith(".safetensors"):
+        from safetensors.torch import load_file
+
+        state = load_file(path)
+    else:
+        state = load_state_dict(path)
+    if "logit_scale" in state and state["logit_scale"].ndim != clip.logit_scale.ndim:
+        state["logit_scale"] = state["logit_scale"].reshape(clip.logit_scale.shape)
+    try:
+        clip.load_state_dict(state, strict=True, assign=True)
+    except RuntimeError as exc:
+        raise ModelLoadError(f"the weights do not fit open_clip:{arch}: {str(exc)[:500]}; check GREENSERVE_MODEL "
+                             "names the architecture the file was saved from") from exc
+    for name, buf in list(clip.named_buffers()):
+        if buf.is_meta and name.endswith("attn_mask"):  # not saved (persistent=False): the causal mask
+            owner = clip.get_submodule(name.rpartition(".")[0]) if "." in name else clip
+            mask = torch.full(tuple(buf.shape), float("-inf")).triu_(1)
+            owner.register_buffer(name.rpartition(".")[2], mask, persistent=False)
+    missing = unset_tensors(clip)
+    if missing:
+        raise ModelLoadError(f"the weights file leaves open_clip:{arch} tensors unset: {', '.join(missing[:5])}")
+    return clip
+
+
+def _tag_config(arch: str, tag: str) -> dict[str, Any]:
+    cfg = open_clip.get_pretrained_cfg(arch, tag)
+    if not cfg:
+        raise ModelLoadError(f"GREENSERVE_WEIGHTS={tag!r} is neither random, a file nor a pretrained tag of "
+                             f"open_clip:{arch} ({', '.join(pretrained_tags(arch)) or 'it has none'})")
+    return dict(cfg)
+
+
+def cached_pretrained(arch: str, tag: str, cache_dir: str | None = None) -> str | None:
+    """The local file of ``arch``'s pretrained ``tag`` (the Hugging Face cache, or open_clip's URL cache);
+    ``cache_dir`` overrides the Hugging Face cache's place (``HF_HUB_CACHE``)."""
+    cfg = open_clip.get_pretrained_cfg(arch, tag)
+    hub = cfg.get("hf_hub", "")
+    if hub:
+        from huggingface_hub import try_to_load_from_cache
+
+        repo, filename = os.path.split(hub)  # "org/model/" names the repository's default file
+        stem, ext = os.path.splitext(filename)
+        names = [f"{stem}.safetensors", filename] if ext in (".bin", ".pth") else [filename]
+        names = names if filename else [HF_SAFE_WEIGHTS_NAME, HF_WEIGHTS_NAME]  # open_clip prefers safetensors
+        for candidate in names:
+            found = try_to_load_from_cache(repo, candidate, cache_dir=cache_dir)
+            if isinstance(found, str):
+                return found
+    url = cfg.get("url", "")
+    if url:
+        path = os.path.join(os.path.expanduser("~/.cache/clip"), os.path.basename(url))
+        if os.path.isfile(path):
+            return path
+    return None
+
+
+def download(arch: str, tag: str) -> str:
+    """Fill the local cache with ``arch``'s pretrained ``tag`` (needs internet); returns the file."""
+    path = open_clip.download_pretrained(_tag_config(arch, tag))
+    if not path:
+        raise ModelLoadError(f"open_clip has no download for open_clip:{arch} {tag!r}")
+    return str(path)
+
+
+def _transform(pp: dict[str, Any], tag_cfg: dict[str, Any]) -> Transform:
+    pp = {**pp, **{k: v for k, v in tag_cfg.items() if k in ("mean", "std", "interpolation", "resize_mode")}}
+    size = pp["size"]
+    side = int(size if isinstance(size, int) else size[0])
+    mode = pp.get("resize_mode", "shortest")
+    if mode not in ("shortest", "squash"):
+        raise ModelLoadError(f"open_clip resize_mode {mode!r} is not served (only shortest and squash)")
+    return Transform(resize_size=side, crop_size=side, mean=tuple(pp["mean"]), std=tuple(pp["std"]),
+                     interpolation=pp.get("interpolation", "bicubic"), resize_mode=mode)

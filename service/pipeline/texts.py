@@ -1,0 +1,92 @@
+"""Texts through the text tower: tokenise in a decode thread, forward in the text batcher, and a per-worker
+LRU of label and query embeddings so that a repeated label set (zero-shot) costs no text forward.
+
+The cache lives on the hub (greenlets only, no lock) and holds unit vectors keyed by the exact prompt.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from service import metrics
+from service.engine.batcher import Row
+from service.engine.runner import Runner
+from service.engine.scheduling import Admission
+from service.errors import RequestError
+from service.pipeline.postprocess import NORM_EPS
+
+
+@dataclass(frozen=True)
+class TextRow:
+    embedding: np.ndarray  # float32, not normalised
+    tokens: int
+    truncated: bool
+    queue_s: float
+    inference_s: float
+
+
+class TextEncoder:
+    def __init__(self, runner: Runner, cache_size: int) -> None:
+        self.runner = runner
+        self.cache_size = cache_size
+        self._cache: OrderedDict[str, np.ndarray] = OrderedDict()
+        self.hits = 0
+        self.misses = 0
+
+    def encode(self, texts: Sequence[str], *, deadline: float, admission: Admission,
+               truncate: bool = True) -> list[TextRow]:
+        """Each text's embedding, in order. With ``truncate`` false, a text past the context length is refused."""
+        tokens = self.runner.tokenize(texts, rank=admission.rank(0))
+        if not truncate and any(tokens.truncated):
+            first = tokens.truncated.index(True)
+            info = self.runner.info
+            raise RequestError(f"text {first} has more tokens than the model's context length "
+                               f"({info.context_length if info else '?'}); shorten it or send \"truncate\": true",
+                               code="over_context_length")
+        pending = [self.runner.infer_text(tokens.ids[i], deadline, admission) for i in range(len(texts))]
+        rows: list[Row] = [p.get() for p in pending]
+        out = []
+        for row, n, cut in zip(rows, tokens.lengths, tokens.truncated, strict=True):
+            assert row.features is not None
+            out.append(TextRow(row.features, n, cut, row.queue_s, row.inference_s))
+        return out
+
+    def unit_vectors(self, prompts: Sequence[str], *, deadline: float, admission: Admission) -> np.ndarray:
+        """(len(prompts), dim) unit vectors; prompts seen before come from the cache, the rest in one go."""
+        missing = [p for p in dict.fromkeys(prompts) if p not in self._cache]
+        self.hits += len(prompts) - len(missing)
+        self.misses += len(missing)
+        metrics.TEXT_CACHE.labels("hit").inc(len(prompts) - len(missing))
+        metrics.TEXT_CACHE.labels("miss").inc(len(missing))
+        fresh = {}
+        if missing:
+            started = time.monotonic()
+            rows = self.encode(missing, deadline=deadline, admission=admission)
+            fresh = {p: _unit(r.embedding) for p, r in zip(missing, rows, strict=True)}
+            metrics.STAGE_SECONDS.labels("text").observe(time.monotonic() - started)
+        vectors = np.stack([fresh[p] if p in fresh else self._hit(p) for p in prompts])
+        for p, v in fresh.items():
+            self._keep(p, v)
+        return vectors
+
+    def _hit(self, prompt: str) -> np.ndarray:
+        self._cache.move_to_end(prompt)
+        return self._cache[prompt]
+
+    def _keep(self, prompt: str, vector: np.ndarray) -> None:
+        if self.cache_size <= 0:
+            return
+        self._cache[prompt] = vector
+        self._cache.move_to_end(prompt)
+        while len(self._cache) > self.cache_size:
+            self._cache.popitem(last=False)
+
+
+def _unit(v: np.ndarray) -> np.ndarray:
+    v = v.astype(np.float32, copy=False)
+    return v / np.float32(max(float(np.linalg.norm(v)), NORM_EPS))
