@@ -26,16 +26,23 @@ SEED_NUMBERS = {"source": "FastAPI + uvicorn, CLIP in async def, k6 --vus N --it
                 "mean_latency_s": {"1": 3.68, "2": 7.05, "3": 10.67, "4": 13.48, "5": 16.55}}
 
 
+# the CPU features that decide torch's speed (AMX and avx512_bf16: native bf16 matmuls)
+MATH_FLAGS = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8")
+
+
 def machine(model: str, cores: int) -> dict[str, Any]:
     from bench.k6 import k6_binary
 
     cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                 if line.startswith("model name")), platform.processor())
     k6_version = subprocess.run([k6_binary(), "version"], capture_output=True, text=True).stdout.split("\n")[0]
+    flags = next((line.split(":", 1)[1].split() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                  if line.startswith("flags")), [])
     return {"commit": _git("rev-parse", "--short", "HEAD"),
             # other work in the same checkout can leave greenserve's code uncommitted while this runs
             "service_uncommitted": bool(_git("status", "--porcelain", "--", "service", "gunicorn.conf.py")),
-            "cores": cores, "cpu": cpu, "python": platform.python_version(), "torch": metadata.version("torch"),
+            "cores": cores, "cpu": cpu, "cpu_flags": [f for f in MATH_FLAGS if f in flags],
+            "python": platform.python_version(), "torch": metadata.version("torch"),
             "torchvision": metadata.version("torchvision"), "k6": k6_version.strip(), "model": model,
             "loadavg_at_start": round(os.getloadavg()[0], 2), "date": time.strftime("%Y-%m-%d %H:%M %Z")}
 
@@ -64,10 +71,11 @@ def header(doc: dict[str, Any]) -> str:
     commit = f"commit {m.get('commit') or '?'}"
     if m.get("service_uncommitted"):
         commit += " + uncommitted service/ changes"
+    layout = "" if m["model"].startswith("open_clip:") else ", channels_last"  # a ViT has no layout to pick
     return (f"# gevent vs asyncio ({doc['plan']['name']}, {commit})\n"
             f"{m['cores']} cores ({m['cpu']}), load avg {m['loadavg_at_start']} at start; python {m['python']}, "
             f"torch {m['torch']}, torchvision {m['torchvision']}, {m['k6']}\n"
-            f"model {m['model']} (seeded random weights, channels_last); album {a['photos']} JPEGs, "
+            f"model {m['model']} (seeded random weights{layout}); album {a['photos']} JPEGs, "
             f"{a['megabytes']} MB, up to {a['max_megapixels']} MP\n"
             f"bare pipeline (no server, same decode + model): {bare}\n"
             f"open-loop offered rates: {doc['open_rates_per_min']} requests/min")

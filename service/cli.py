@@ -3,8 +3,9 @@
     greenserve download-weights MODEL   put torchvision's pretrained file into the local torch cache
     greenserve download-weights open_clip:ARCH --pretrained TAG
                                         put an open_clip checkpoint into the local (Hugging Face) cache
+    greenserve download-weights timm:NAME   timm's pretrained file, into the same cache
     greenserve settings [--markdown]    every GREENSERVE_* setting with its default (the README table)
-    greenserve models                   the models that can be served (torchvision, then open_clip)
+    greenserve models                   the models that can be served (torchvision, open_clip, timm)
     greenserve export MODEL --out F     a checkpoint already in the serving layout (shared by workers)
 """
 
@@ -43,6 +44,10 @@ def download_weights(name: str, *, url: str | None = None, verify_hash: bool = T
 
 
 def _download(args: argparse.Namespace) -> str:
+    if args.model.startswith("timm:"):
+        from service.engine.timm_family import download as download_timm
+
+        return download_timm(args.model.removeprefix("timm:"))
     if not args.model.startswith("open_clip:"):
         if args.pretrained:
             raise SystemExit("--pretrained is for open_clip models; torchvision models have one default file")
@@ -103,10 +108,13 @@ def _run(argv: list[str] | None) -> int:
         info = export_checkpoint(args.model, args.weights, args.out, channels_last=not args.no_channels_last)
         print(" ".join(f"{k}={v}" for k, v in info.items()))
     elif args.command == "models":
+        import timm
+
         from service.engine.open_clip_family import architectures
         from service.engine.torchvision_family import classification_models
 
-        print("\n".join([*classification_models(), *(f"open_clip:{a}" for a in architectures())]))
+        print("\n".join([*classification_models(), *(f"open_clip:{a}" for a in architectures()),
+                         *(f"timm:{n}" for n in timm.list_models())]))
     return 0
 
 

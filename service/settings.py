@@ -53,8 +53,8 @@ class Settings:
     decode_threads: int = _setting(0, "native threads per worker for decode + preprocess; 0 = max(2, cores // workers)",
                                    parse="int", lo=0, hi=64)
     model: str = _setting("resnet50", "the model: a torchvision classifier (resnet50, torchvision:convnext_tiny) or an "
-                          "open_clip architecture (open_clip:ViT-B-32, image and text towers); see the README's "
-                          "model families")
+                          "open_clip architecture (open_clip:ViT-B-32, image and text towers) or a timm backbone "
+                          "(timm:convnext_tiny); see the README's model families")
     weights: str = _setting("auto", "auto | imagenet | random | a file (state dict, TorchScript, open_clip checkpoint) "
                             "| an open_clip pretrained tag in the local cache (laion2b_s34b_b79k)")
     device: str = _setting("auto", "cpu | cuda | cuda:N | auto (cuda when present, workers spread over GPUs)")

@@ -52,3 +52,13 @@ def test_a_closed_pipe_ends_the_cli_quietly() -> None:
     head = subprocess.run(f"{cli_path} settings --markdown | head -1", shell=True, capture_output=True, text=True,
                           env=env, timeout=60)
     assert head.stdout.startswith("| variable |") and "Traceback" not in head.stderr
+
+
+def test_open_clip_downloads_name_their_tag_and_models_lists_every_family(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit, match="laion2b_s34b_b79k"):
+        cli.main(["download-weights", "open_clip:ViT-B-32"])
+    with pytest.raises(SystemExit, match="--pretrained is for open_clip"):
+        cli.main(["download-weights", "resnet50", "--pretrained", "openai"])
+    assert cli.main(["models"]) == 0
+    listed = capsys.readouterr().out.split()
+    assert {"resnet50", "open_clip:ViT-B-32"} <= set(listed)

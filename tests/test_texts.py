@@ -96,3 +96,9 @@ def test_texts_labels_and_queries_parse_with_their_limits() -> None:
         _parse({"images": ["https://x.example/a.jpg"], "labels": ["a"]}, "embeddings")
     with pytest.raises(RequestError, match="unknown field"):
         _parse({"texts": ["a"]}, "classify")
+
+
+def test_texts_take_queue_slots_at_their_measured_cost() -> None:
+    from service.pipeline.orchestrate import TEXTS_PER_SLOT, text_slots
+
+    assert [text_slots(n) for n in (1, TEXTS_PER_SLOT, TEXTS_PER_SLOT + 1, 256)] == [1, 1, 2, 256 // TEXTS_PER_SLOT]

@@ -3,6 +3,7 @@
     GREENSERVE_MODEL          family            towers          embeddings from
     resnet50, torchvision:X   torchvision_family  image          the pooled features before the classifier
     open_clip:ARCH            open_clip_family  image + text    CLIP/SigLIP's joint space (``encode_image``/``text``)
+    timm:NAME                 timm_family       image           the pooled pre-logits features
 
 Everything here runs in the worker's inference thread (forwards) or its decode threads (tokenising),
 after fork: never in the gunicorn master (libgomp and CUDA are not fork-safe).
@@ -23,7 +24,7 @@ from service.engine.transform import Transform
 
 log = logging.getLogger(__name__)
 
-FAMILIES = ("torchvision", "open_clip")
+FAMILIES = ("torchvision", "open_clip", "timm")
 WARMUP_BATCHES = (1, 4)  # shapes run once before /readyz says ready (first-call allocations, kernel picks)
 
 
@@ -38,7 +39,8 @@ def parse_model_name(spec: str) -> tuple[str, str]:
         return "torchvision", spec
     if family not in FAMILIES or not name:
         raise ModelLoadError(f"GREENSERVE_MODEL={spec!r}: the family must be one of {', '.join(FAMILIES)} "
-                             "(torchvision:resnet50, open_clip:ViT-B-32; a bare name is torchvision's)")
+                             "(torchvision:resnet50, open_clip:ViT-B-32, timm:convnext_tiny; a bare name is "
+                             "torchvision's)")
     return family, name
 
 
@@ -170,6 +172,10 @@ def load_model(name: str, weights: str, *, device: torch.device | None = None, c
         from service.engine import open_clip_family
 
         return open_clip_family.load(arch, weights, device=device, dtype=dtype)
+    if family == "timm":
+        from service.engine import timm_family
+
+        return timm_family.load(arch, weights, device=device, channels_last=channels_last, dtype=dtype)
     from service.engine import torchvision_family
 
     return torchvision_family.load(arch, weights, device=device, channels_last=channels_last, dtype=dtype)

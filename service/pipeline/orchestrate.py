@@ -55,6 +55,16 @@ class _Spans:
         return round((s[1] - s[0]) * 1000, 1) if s else 0.0
 
 
+# Texts take the worker's queue slots (GREENSERVE_MAX_QUEUE_IMAGES) at this many per slot: a CLIP text of
+# ~16 tokens costs about an eighth of an image's forward (ViT-B/32 on CPU: 120 texts/s vs 15 images/s,
+# docs/BENCHMARKS.md). Counted one per slot, 256-text requests were refused long before the model was busy.
+TEXTS_PER_SLOT = 8
+
+
+def text_slots(n_texts: int) -> int:
+    return -(-n_texts // TEXTS_PER_SLOT)
+
+
 class _ImageFailed(Exception):
     """Thrown into the request's greenlet when one of its images failed and partial results are off."""
 
@@ -127,7 +137,7 @@ class Orchestrator:
         """Text embeddings: ``{"data": [{"index", "embedding", "tokens", "truncated"}], ...}``."""
         spans = _Spans()
         texts = req.text.texts
-        with self.runner.admit(len(texts), coming=0, arrived=spans.started) as admission:
+        with self.runner.admit(text_slots(len(texts)), coming=0, arrived=spans.started) as admission:
             with gevent.Timeout(max(0.0, deadline - time.monotonic()),
                                 DeadlineExceeded("the request deadline passed; send fewer texts or a longer "
                                                  "X-Request-Timeout")):
