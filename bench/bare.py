@@ -29,6 +29,11 @@ MAX_PIXELS = 40_000_000  # greenserve's GREENSERVE_MAX_IMAGE_PIXELS default
 READY = "ready"
 
 
+def slug(model: str) -> str:
+    """A model name fit for a file name: open_clip:ViT-B-32 → open_clip-ViT-B-32."""
+    return model.replace(":", "-").replace("/", "-")
+
+
 def save_random_weights(model: str, path: Path, seed: int = 0) -> Path:
     """A seeded random state dict for ``model`` (no downloads here; torchvision or ``open_clip:ARCH``), saved
     once, convnets in channels_last.

@@ -206,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     cores = len(os.sched_getaffinity(0))
     info = machine(args.model, cores)
     print(json.dumps(info), flush=True)
-    weights = bare.save_random_weights(args.model, Path(tempfile.gettempdir()) / f"{args.model.replace(':', '-')}-seed0.pt")
+    weights = bare.save_random_weights(args.model, Path(tempfile.gettempdir()) / f"{bare.slug(args.model)}-seed0.pt")
     doc: dict[str, Any] = {"machine": info}
     if "speed" in args.only:
         doc["speed"] = speed(args.model, weights, cores)

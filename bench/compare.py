@@ -203,7 +203,7 @@ def run(plan: Plan, *, out_dir: Path, only: set[str] | None = None, chart: bool 
         OUT_DIR / f"album-{plan.album_count}-{plan.album_max_side}"
     blobs = load_album(ensure_album(album_dir, count=plan.album_count, max_side=plan.album_max_side))
     names = list(blobs)
-    weights = bare.save_random_weights(plan.model, OUT_DIR / "weights" / f"{slug(plan.model)}-seed0.pt")
+    weights = bare.save_random_weights(plan.model, OUT_DIR / "weights" / f"{bare.slug(plan.model)}-seed0.pt")
     ref_path = OUT_DIR / f"reference-{plan.name}.npy"
     bare_runs = yardstick(plan, weights, album_dir, cores, "start", ref_path)
     reference = np.load(ref_path)
@@ -242,11 +242,6 @@ def run(plan: Plan, *, out_dir: Path, only: set[str] | None = None, chart: bool 
     return doc
 
 
-def slug(model: str) -> str:
-    """A model name fit for a file name: open_clip:ViT-B-32 → open_clip-ViT-B-32."""
-    return model.replace(":", "-").replace("/", "-")
-
-
 def passed(doc: dict[str, Any]) -> bool:
     """Every design ran, and served the reference's embeddings within tolerance."""
     def ok(d: dict[str, Any]) -> bool:
@@ -268,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     plan = QUICK if args.quick else FULL
     if args.model and args.model != plan.model:
-        plan = dataclasses.replace(plan, model=args.model, name=f"{plan.name}-{slug(args.model)}")
+        plan = dataclasses.replace(plan, model=args.model, name=f"{plan.name}-{bare.slug(args.model)}")
     if args.ns:
         plan = dataclasses.replace(plan, ns=tuple(int(n) for n in args.ns.split(",")))
     if args.image_latency_ms is not None:

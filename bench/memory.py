@@ -49,9 +49,9 @@ def weights_files(model: str, directory: Path) -> dict[str, Path]:
     from service.engine.torchvision_family import export_checkpoint
 
     if model.startswith("open_clip:"):
-        from bench.bare import save_random_weights
+        from bench.bare import save_random_weights, slug
 
-        return {"plain": save_random_weights(model, directory / f"{model.replace(':', '-')}-plain.pt")}
+        return {"plain": save_random_weights(model, directory / f"{slug(model)}-plain.pt")}
 
     plain = directory / f"{model}-plain.pt"
     exported = directory / f"{model}-export.pt"

@@ -48,7 +48,7 @@ def clip_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def reference(clip_checkpoint: Path):  # type: ignore[no-untyped-def]
+def reference(clip_checkpoint: Path):
     """open_clip's own model, preprocess and tokenizer on the same weights."""
     import open_clip
     import torch
@@ -67,7 +67,7 @@ def clip_server(clip_checkpoint: Path, image_host: ImageHost) -> Iterator[Gunico
 
 
 def post(server: GunicornServer, route: str, body: dict, **kw: object) -> requests.Response:
-    return requests.post(f"{server.url}/v1/{route}", json=body, timeout=120, **kw)  # type: ignore[arg-type]
+    return requests.post(f"{server.url}/v1/{route}", json=body, timeout=120, **kw)
 
 
 def vectors(response: requests.Response) -> np.ndarray:
@@ -89,7 +89,7 @@ def test_models_says_family_towers_dimension_and_preprocessing(clip_server: Guni
     assert info["text"]["context_length"] == 77 and info["text"]["over_context_length"] == "truncate"
 
 
-def test_image_embeddings_match_open_clip_itself(clip_server: GunicornServer, reference, album: dict[str, bytes]) -> None:  # type: ignore[no-untyped-def]
+def test_image_embeddings_match_open_clip_itself(clip_server: GunicornServer, reference, album: dict[str, bytes]) -> None:
     import torch
     from PIL import Image
 
@@ -107,7 +107,7 @@ def test_image_embeddings_match_open_clip_itself(clip_server: GunicornServer, re
     assert list((ours_c @ theirs_c.T).argmax(axis=1)) == list(range(len(PHOTOS)))
 
 
-def test_text_embeddings_match_open_clip_itself(clip_server: GunicornServer, reference) -> None:  # type: ignore[no-untyped-def]
+def test_text_embeddings_match_open_clip_itself(clip_server: GunicornServer, reference) -> None:
     import torch
 
     response = post(clip_server, "embeddings", {"texts": TEXTS})

@@ -37,7 +37,7 @@ def test_model_names_pick_their_family() -> None:
 def test_a_plain_state_dict_loads_mapped_with_the_causal_mask_rebuilt(plain_state: tuple[Path, torch.nn.Module]) -> None:
     path, reference = plain_state
     model = load_model(f"open_clip:{ARCH}", str(path))
-    clip = model.module.clip  # type: ignore[union-attr]
+    clip = model.module.clip
     assert torch.equal(clip.attn_mask, reference.attn_mask)
     assert not any(t.is_meta for t in clip.state_dict().values())
     pixels = np.random.default_rng(0).integers(0, 255, (2, 224, 224, 3), dtype=np.uint8)

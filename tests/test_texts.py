@@ -32,13 +32,13 @@ class _Runner:
     def __init__(self) -> None:
         self.forwarded: list[int] = []
 
-    def tokenize(self, texts, *, rank=None):  # type: ignore[no-untyped-def]
+    def tokenize(self, texts, *, rank=None):
         ids = np.zeros((len(texts), 8), np.int64)
         for i, t in enumerate(texts):
             ids[i, 0] = len(t)
         return Tokens(ids, tuple(min(len(t), 8) for t in texts), tuple(len(t) > 8 for t in texts))
 
-    def infer_text(self, ids, deadline, admission):  # type: ignore[no-untyped-def]
+    def infer_text(self, ids, deadline, admission):
         self.forwarded.append(int(ids[0]))
         vec = np.zeros(16, np.float32)
         vec[int(ids[0]) % 16] = 3.0
@@ -49,20 +49,20 @@ class _Runner:
 
 def test_the_label_cache_serves_repeats_without_a_forward_and_evicts_the_least_recent() -> None:
     runner = _Runner()
-    enc = TextEncoder(runner, cache_size=2)  # type: ignore[arg-type]
-    first = enc.unit_vectors(["a", "bb"], deadline=1e9, admission=_Admission())  # type: ignore[arg-type]
+    enc = TextEncoder(runner, cache_size=2)
+    first = enc.unit_vectors(["a", "bb"], deadline=1e9, admission=_Admission())
     assert np.allclose(np.linalg.norm(first, axis=1), 1) and runner.forwarded == [1, 2]
-    enc.unit_vectors(["bb", "a"], deadline=1e9, admission=_Admission())  # type: ignore[arg-type]
+    enc.unit_vectors(["bb", "a"], deadline=1e9, admission=_Admission())
     assert runner.forwarded == [1, 2] and (enc.hits, enc.misses) == (2, 2)
-    enc.unit_vectors(["ccc"], deadline=1e9, admission=_Admission())  # type: ignore[arg-type]  # evicts "bb"
-    enc.unit_vectors(["a", "bb"], deadline=1e9, admission=_Admission())  # type: ignore[arg-type]
+    enc.unit_vectors(["ccc"], deadline=1e9, admission=_Admission())  # evicts "bb"
+    enc.unit_vectors(["a", "bb"], deadline=1e9, admission=_Admission())
     assert runner.forwarded == [1, 2, 3, 2]
 
 
 def test_refusing_truncation_names_the_text() -> None:
-    enc = TextEncoder(_Runner(), cache_size=0)  # type: ignore[arg-type]
+    enc = TextEncoder(_Runner(), cache_size=0)
     with pytest.raises(RequestError) as err:
-        enc.encode(["ok", "x" * 20], deadline=1e9, admission=_Admission(), truncate=False)  # type: ignore[arg-type]
+        enc.encode(["ok", "x" * 20], deadline=1e9, admission=_Admission(), truncate=False)
     assert err.value.code == "over_context_length" and "text 1" in err.value.message
 
 
@@ -78,8 +78,8 @@ def test_zero_shot_scores_are_a_softmax_over_scaled_cosines() -> None:
     assert scored[0]["cosine"] == pytest.approx(cos[0], abs=1e-6)
 
 
-def _parse(doc: dict, task: str, **settings: object):  # type: ignore[no-untyped-def]
-    return parse_json(json.dumps(doc).encode(), Settings(**settings), task)  # type: ignore[arg-type]
+def _parse(doc: dict, task: str, **settings: object):
+    return parse_json(json.dumps(doc).encode(), Settings(**settings), task)
 
 
 def test_texts_labels_and_queries_parse_with_their_limits() -> None:

@@ -25,6 +25,7 @@ from service.engine.transform import Transform
 log = logging.getLogger(__name__)
 
 FAMILIES = ("torchvision", "open_clip", "timm")
+RANDOM_SEED = 0  # random weights are seeded so every worker serves the same (meaningless) model
 WARMUP_BATCHES = (1, 4)  # shapes run once before /readyz says ready (first-call allocations, kernel picks)
 
 
@@ -195,7 +196,12 @@ def resolve_device(device: str, worker_ordinal: int = 0) -> torch.device:
 
 
 def load_state_dict(path: str) -> dict[str, torch.Tensor]:
-    """A state dict file, memory-mapped (workers share its pages), ``module.`` prefixes dropped."""
+    """A state dict file (``torch.save`` or ``.safetensors``), memory-mapped (workers share its pages),
+    ``module.`` prefixes dropped."""
+    if path.endswith(".safetensors"):
+        from safetensors.torch import load_file
+
+        return {k.removeprefix("module."): v for k, v in load_file(path).items()}
     try:
         state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
     except (RuntimeError, OSError, ValueError, EOFError) as exc:

@@ -9,6 +9,7 @@ share one copy from the page cache.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -22,12 +23,20 @@ from open_clip.constants import HF_SAFE_WEIGHTS_NAME, HF_WEIGHTS_NAME
 from open_clip.tokenizer import SimpleTokenizer
 from torch import nn
 
-from service.engine.model import LoadedModel, ModelInfo, ModelLoadError, Tokens, dtype_name, load_state_dict, unset_tensors
+from service.engine.model import (
+    RANDOM_SEED,
+    LoadedModel,
+    ModelInfo,
+    ModelLoadError,
+    Tokens,
+    dtype_name,
+    load_state_dict,
+    unset_tensors,
+)
 from service.engine.transform import Transform
 
 log = logging.getLogger(__name__)
 
-RANDOM_SEED = 0
 TASKS = ("embeddings", "classify", "rank")
 
 
@@ -44,17 +53,17 @@ class ImageTower(nn.Module):
 
     def __init__(self, clip: nn.Module) -> None:
         super().__init__()
-        self.clip = clip
+        self.clip: Any = clip  # open_clip's CLIP or CustomTextCLIP (untyped)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.clip.encode_image(x)  # type: ignore[operator]  # open_clip's CLIP/CustomTextCLIP
+        return self.clip.encode_image(x)
 
 
 class ClipText:
     """The text tower: open_clip's tokenizer (its vocabulary ships in the wheel) and ``encode_text``."""
 
     def __init__(self, clip: nn.Module, tokenizer: Any) -> None:
-        self._clip = clip
+        self._clip: Any = clip  # open_clip's CLIP or CustomTextCLIP (untyped)
         self._tokenizer = tokenizer
         self.context_length = int(tokenizer.context_length)
         # CLIP's text transformer is causal and pools at the end token: a token never sees the padding
@@ -86,8 +95,8 @@ class ClipText:
 
     def encode(self, ids: torch.Tensor) -> torch.Tensor:
         if not self._trim:
-            return self._clip.encode_text(ids)  # type: ignore[operator]
-        clip: Any = self._clip
+            return self._clip.encode_text(ids)
+        clip = self._clip
         n = int((ids != 0).sum(dim=1).max())
         ids = ids[:, :n]
         cast = clip.transformer.get_cast_dtype()
@@ -111,8 +120,7 @@ def load(arch: str, weights: str, *, device: torch.device, dtype: torch.dtype = 
     text = ClipText(clip, open_clip.get_tokenizer(arch))
     scale = float(clip.logit_scale.detach().exp()) if getattr(clip, "logit_scale", None) is not None else 100.0
     bias = float(clip.logit_bias.detach()) if getattr(clip, "logit_bias", None) is not None else 0.0
-    name = f"open_clip:{arch}"
-    info = ModelInfo(name, TASKS, None, (), str(device), dtype_name(dtype), source, transform, format="open_clip",
+    info = ModelInfo(f"open_clip:{arch}", TASKS, None, (), str(device), dtype_name(dtype), source, transform, format="open_clip",
                      family="open_clip", towers=("image", "text"), context_length=text.context_length,
                      logit_scale=scale, logit_bias=bias)
     # channels_last does nothing for a ViT (one patchifying conv, then matmuls): measured in BENCHMARKS
@@ -120,22 +128,21 @@ def load(arch: str, weights: str, *, device: torch.device, dtype: torch.dtype = 
                         text=text, features_only=True)
     feats, _ = model.forward(np.zeros((1, transform.crop_size, transform.crop_size, 3), np.uint8))
     assert feats is not None
-    model.info = ModelInfo(name, TASKS, feats.shape[1], (), str(device), dtype_name(dtype), source, transform,
-                           time.perf_counter() - started, "open_clip", "open_clip", ("image", "text"),
-                           text.context_length, scale, bias)
+    model.info = dataclasses.replace(info, embedding_dim=feats.shape[1], load_seconds=time.perf_counter() - started)
     return model
 
 
 def _build(arch: str, weights: str) -> tuple[nn.Module, str, dict[str, Any]]:
     """(the model with its weights, where they came from, the pretrained tag's config if any)."""
     if weights == "auto":
-        cached = next((t for t in pretrained_tags(arch) if cached_pretrained(arch, t)), None)
-        if cached is None:
+        found = next(((t, p) for t in pretrained_tags(arch) if (p := cached_pretrained(arch, t))), None)
+        if found is None:
             log.warning("NO PRETRAINED WEIGHTS for open_clip:%s in the local cache: serving RANDOM weights "
                         "(outputs are meaningless). Run `greenserve download-weights open_clip:%s --pretrained "
                         "TAG` or set GREENSERVE_WEIGHTS.", arch, arch)
             return _random(arch), "random", {}
-        weights = cached
+        tag, path = found
+        return _from_tag(arch, tag, path)
     if weights == "random":
         log.warning("GREENSERVE_WEIGHTS=random: open_clip:%s serves random weights (outputs are meaningless)", arch)
         return _random(arch), "random", {}
@@ -144,13 +151,18 @@ def _build(arch: str, weights: str) -> tuple[nn.Module, str, dict[str, Any]]:
                              f"pretrained tag ({', '.join(pretrained_tags(arch)[:4])} ...), random or a file")
     if os.path.isfile(weights):
         return _from_file(arch, weights, {}), weights, {}
-    tag_cfg = _tag_config(arch, weights)
-    path = cached_pretrained(arch, weights)
+    return _from_tag(arch, weights, None)
+
+
+def _from_tag(arch: str, tag: str, path: str | None) -> tuple[nn.Module, str, dict[str, Any]]:
+    """A pretrained tag's weights from the local cache (``path`` when already looked up)."""
+    tag_cfg = _tag_config(arch, tag)
+    path = path or cached_pretrained(arch, tag)
     if path is None:
-        raise ModelLoadError(f"open_clip:{arch} pretrained {weights!r} is not in the local cache; run "
-                             f"`greenserve download-weights open_clip:{arch} --pretrained {weights}` on a machine "
+        raise ModelLoadError(f"open_clip:{arch} pretrained {tag!r} is not in the local cache; run "
+                             f"`greenserve download-weights open_clip:{arch} --pretrained {tag}` on a machine "
                              "with internet and copy the cache over (README: offline weights)")
-    return _from_file(arch, path, tag_cfg), weights, tag_cfg
+    return _from_file(arch, path, tag_cfg), tag, tag_cfg
 
 
 class _QuietCreate(logging.Filter):
@@ -178,12 +190,7 @@ def _random(arch: str) -> nn.Module:
 def _from_file(arch: str, path: str, tag_cfg: dict[str, Any]) -> nn.Module:
     """Build on the meta device and adopt the file's (mmapped) tensors: no second copy of the weights."""
     clip: Any = _create(arch, device="meta", force_quick_gelu=bool(tag_cfg.get("quick_gelu", False)))
-    if path.endswith(".safetensors"):
-        from safetensors.torch import load_file
-
-        state = load_file(path)
-    else:
-        state = load_state_dict(path)
+    state = load_state_dict(path)
     if "logit_scale" in state and state["logit_scale"].ndim != clip.logit_scale.ndim:
         state["logit_scale"] = state["logit_scale"].reshape(clip.logit_scale.shape)
     try:

@@ -30,7 +30,7 @@ from service.engine.batcher import Batcher
 from service.engine.model import ModelInfo, Tokens
 from service.engine.scheduling import Admission, Rank, Scheduler
 from service.engine.threads import Siblings, ThreadPlan, lower_priority
-from service.errors import GreenserveError, RequestError
+from service.errors import GreenserveError
 from service.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -153,11 +153,9 @@ class Runner:
         return self.text_batcher.submit(ids, deadline, admission, admission.arrived)
 
     def _text_model(self) -> TextModel:
-        info = self.info
-        if info is None or "text" not in info.towers:
-            name = info.name if info else "the model"
-            raise RequestError(f"{name} has no text tower, so it cannot embed texts; serve an open_clip model "
-                               "(GREENSERVE_MODEL=open_clip:ViT-B-32) for text", code="text_not_supported")
+        # requests for text reach here only admitted (the model is loaded) and checked by the api, which
+        # refuses them with text_not_supported when the model has no text tower
+        assert self.info is not None and "text" in self.info.towers
         return cast(TextModel, self.model)
 
     def _forward_texts(self, ids: np.ndarray) -> tuple[Any, None]:

@@ -7,6 +7,7 @@ the meta device, shared by the workers), or timm's pretrained file found in the 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
@@ -18,12 +19,11 @@ import timm
 import torch
 from torch import nn
 
-from service.engine.model import LoadedModel, ModelInfo, ModelLoadError, dtype_name, load_state_dict, unset_tensors
+from service.engine.model import RANDOM_SEED, LoadedModel, ModelInfo, ModelLoadError, dtype_name, load_state_dict, unset_tensors
 from service.engine.transform import Transform
 
 log = logging.getLogger(__name__)
 
-RANDOM_SEED = 0
 HF_FILE = "model.safetensors"
 
 
@@ -58,8 +58,7 @@ def load(name: str, weights: str, *, device: torch.device, channels_last: bool =
     model = LoadedModel(info=info, module=Backbone(net), device=device, dtype=dtype, channels_last=channels_last)
     feats, _ = model.forward(np.zeros((1, transform.crop_size, transform.crop_size, 3), np.uint8))
     assert feats is not None
-    model.info = ModelInfo(info.name, info.tasks, feats.shape[1], labels, str(device), dtype_name(dtype), source,
-                           transform, time.perf_counter() - started, "timm", "timm")
+    model.info = dataclasses.replace(info, embedding_dim=feats.shape[1], load_seconds=time.perf_counter() - started)
     return model
 
 
@@ -87,12 +86,7 @@ def _random(name: str) -> nn.Module:
 
 
 def _from_file(name: str, path: str) -> nn.Module:
-    if path.endswith(".safetensors"):
-        from safetensors.torch import load_file
-
-        state = load_file(path)
-    else:
-        state = load_state_dict(path)
+    state = load_state_dict(path)
     cfg = timm.models.get_pretrained_cfg(name)
     head = f"{cfg.classifier}.weight" if cfg is not None and isinstance(cfg.classifier, str) else ""
     kwargs: dict[str, Any] = {"num_classes": int(state[head].shape[0])} if head in state else {}

@@ -6,6 +6,7 @@ classifier head's logits.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -19,12 +20,11 @@ import torchvision
 from torch import nn
 from torchvision.models import get_model_builder, get_model_weights, list_models
 
-from service.engine.model import LoadedModel, ModelInfo, ModelLoadError, dtype_name, load_state_dict, unset_tensors
+from service.engine.model import RANDOM_SEED, LoadedModel, ModelInfo, ModelLoadError, dtype_name, load_state_dict, unset_tensors
 from service.engine.transform import Transform
 
 log = logging.getLogger(__name__)
 
-RANDOM_SEED = 0  # random weights are seeded so every worker serves the same (meaningless) model
 
 
 class EmbedClassify(nn.Module):
@@ -97,8 +97,8 @@ def load(name: str, weights: str, *, device: torch.device, channels_last: bool =
     if logits.shape[1] != len(labels):
         labels = tuple(f"class_{i}" for i in range(logits.shape[1]))
     tasks = ("embeddings", "classify") if feats is not None else ("classify",)
-    model.info = ModelInfo(name, tasks, None if feats is None else feats.shape[1], labels, str(device),
-                           dtype_name(dtype), source, transform, time.perf_counter() - started, fmt)
+    model.info = dataclasses.replace(info, tasks=tasks, embedding_dim=None if feats is None else feats.shape[1],
+                                     labels=labels, load_seconds=time.perf_counter() - started)
     return model
 
 

@@ -118,9 +118,7 @@ class Orchestrator:
             info = self.runner.info
             assert info is not None  # admitted: the model is ready
             work = _Work(admission, info, spans, outcomes, deadline, gevent.getcurrent())
-            timeout = gevent.Timeout(max(0.0, deadline - time.monotonic()),
-                                     DeadlineExceeded("the request deadline passed; retry with fewer images or "
-                                                      "a longer X-Request-Timeout"))
+            timeout = _deadline_timeout(deadline, "images")
             prompts = None
             try:
                 with timeout:
@@ -138,9 +136,7 @@ class Orchestrator:
         spans = _Spans()
         texts = req.text.texts
         with self.runner.admit(text_slots(len(texts)), coming=0, arrived=spans.started) as admission:
-            with gevent.Timeout(max(0.0, deadline - time.monotonic()),
-                                DeadlineExceeded("the request deadline passed; send fewer texts or a longer "
-                                                 "X-Request-Timeout")):
+            with _deadline_timeout(deadline, "texts"):
                 rows = self.texts.encode(texts, deadline=deadline, admission=admission, truncate=req.text.truncate)
         data = [{"index": i, "embedding": postprocess.embedding(r.embedding, normalize=req.normalize),
                  "tokens": r.tokens, "truncated": r.truncated} for i, r in enumerate(rows)]
@@ -224,6 +220,12 @@ class Orchestrator:
         timings["total"] = round((time.monotonic() - spans.started) * 1000, 1)
         return {"data": data, "errors": [image_error_item(i, name, err) for i, name, err in failures],
                 "timings_ms": timings}
+
+
+def _deadline_timeout(deadline: float, what: str) -> gevent.Timeout:
+    """Raises ``DeadlineExceeded`` in the request's greenlet where it waits, once ``deadline`` passes."""
+    return gevent.Timeout(max(0.0, deadline - time.monotonic()), DeadlineExceeded(
+        f"the request deadline passed; retry with fewer {what} or a longer X-Request-Timeout"))
 
 
 def _result(req: InferenceRequest, task: str, info: ModelInfo, row: Row, prompts: np.ndarray | None) -> dict[str, Any]:

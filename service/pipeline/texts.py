@@ -18,7 +18,7 @@ from service.engine.batcher import Row
 from service.engine.runner import Runner
 from service.engine.scheduling import Admission
 from service.errors import RequestError
-from service.pipeline.postprocess import NORM_EPS
+from service.pipeline.postprocess import embedding
 
 
 @dataclass(frozen=True)
@@ -67,7 +67,7 @@ class TextEncoder:
         if missing:
             started = time.monotonic()
             rows = self.encode(missing, deadline=deadline, admission=admission)
-            fresh = {p: _unit(r.embedding) for p, r in zip(missing, rows, strict=True)}
+            fresh = {p: embedding(r.embedding, normalize=True) for p, r in zip(missing, rows, strict=True)}
             metrics.STAGE_SECONDS.labels("text").observe(time.monotonic() - started)
         vectors = np.stack([fresh[p] if p in fresh else self._hit(p) for p in prompts])
         for p, v in fresh.items():
@@ -86,7 +86,3 @@ class TextEncoder:
         while len(self._cache) > self.cache_size:
             self._cache.popitem(last=False)
 
-
-def _unit(v: np.ndarray) -> np.ndarray:
-    v = v.astype(np.float32, copy=False)
-    return v / np.float32(max(float(np.linalg.norm(v)), NORM_EPS))
