@@ -180,6 +180,8 @@ def test_rank_orders_the_images_by_cosine_to_the_query(clip_server: GunicornServ
     ("embeddings", {"texts": ["x"] * 17}, 413, "too_many_texts"),
     ("embeddings", {"texts": ["x" * 601]}, 413, "text_too_long"),
     ("embeddings", {"texts": ["a"], "images": ["img000.jpg"]}, 400, "invalid_request"),
+    ("embeddings", {"texts": ["a very long caption " * 25], "truncate": False}, 400, "over_context_length"),
+    ("embeddings", {"texts": ["a"], "truncate": "no"}, 400, "invalid_request"),
     ("classify", {"images": ["img000.jpg"]}, 400, "labels_required"),
     ("classify", {"images": ["img000.jpg"], "labels": ["a"] * 2}, 400, "invalid_request"),
     ("classify", {"images": ["img000.jpg"], "labels": [f"l{i}" for i in range(21)]}, 413, "too_many_labels"),
