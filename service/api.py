@@ -17,25 +17,15 @@ import orjson
 from flask import Blueprint, Flask, Response, current_app, g, request
 from werkzeug.exceptions import HTTPException
 
-from service import metrics
-from service.balance.gate import Balance
-from service.connection import cancel_on_hang_up
-from service.engine.runner import Runner
+from service import metrics, protocols, serving
 from service.errors import ClientGone, GreenserveError, RequestError, Unauthorized, UnsupportedMediaType, from_http_status
-from service.pipeline.inputs import InferenceRequest, parse_form, parse_json
-from service.pipeline.orchestrate import Orchestrator
-from service.settings import Settings
+from service.pipeline.inputs import InferenceRequest, parse_doc, parse_form
+from service.protocols import openai
 
 log = logging.getLogger(__name__)
 bp = Blueprint("api", __name__)
 
 _REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
-OFFLOAD_JSON_BYTES = 256 * 1024  # bodies above this are parsed in a decode thread, not on the hub
-
-def parts() -> tuple[Settings, Runner, Orchestrator]:
-    ext = current_app.extensions["greenserve"]
-    return ext["settings"], ext["runner"], ext["orchestrator"]
-
 
 # ---------------------------------------------------------------------- request lifecycle
 
@@ -46,7 +36,7 @@ def _start() -> None:
     rid = request.headers.get("X-Request-ID", "")
     g.request_id = rid if _REQUEST_ID_RE.match(rid) else uuid.uuid4().hex
     settings = current_app.extensions["greenserve"]["settings"]
-    if settings.api_token and request.path.startswith("/v1/"):
+    if settings.api_token and protocols.needs_token(request.path):
         supplied = request.headers.get("Authorization", "").removeprefix("Bearer ").strip()
         if not hmac.compare_digest(supplied.encode(), settings.api_token.encode()):
             raise Unauthorized("missing or wrong bearer token; send Authorization: Bearer <GREENSERVE_API_TOKEN>")
@@ -91,9 +81,12 @@ def handle_unexpected(exc: Exception) -> Response:
 
 
 def error_response(status: int, error: dict[str, Any], headers: dict[str, str]) -> Response:
+    """The error in the shape of the protocol that owns the path (routing errors included)."""
     metrics.ERRORS.labels(error["code"]).inc()
-    body = orjson.dumps({"error": error, "request_id": g.get("request_id", "")})
-    return Response(body, status=status, headers=headers, mimetype="application/json")
+    body = protocols.error_body(request.path, status, error, g.get("request_id", ""))
+    if error["code"] == "inference_failed":
+        headers = {**headers, "x-should-retry": "false"}  # deterministic: the OpenAI SDK would retry a 500
+    return Response(orjson.dumps(body), status=status, headers=headers, mimetype="application/json")
 
 
 # ---------------------------------------------------------------------- inference
@@ -101,7 +94,11 @@ def error_response(status: int, error: dict[str, Any], headers: dict[str, str]) 
 
 @bp.post("/v1/embeddings")
 def embeddings() -> Response:
-    return _infer("embeddings")
+    """Native ``{"images"|"texts": [...]}`` or OpenAI ``{"model", "input"}``: one response shape for both."""
+    with serving.busy() as p:
+        req, options = _parse_request(p, "embeddings", openai_too=True)
+        body = serving.run(p, req, "embeddings")
+    return serving.json_response(openai.embeddings_body(body, req, options))
 
 
 @bp.post("/v1/classify")
@@ -116,47 +113,14 @@ def rank() -> Response:
 
 
 def _infer(task: str) -> Response:
-    balance: Balance = current_app.extensions["greenserve"]["balance"]
-    with balance.inference():  # siblings see this worker as busy from here (parsing included)
-        return _run(task)
+    with serving.busy() as p:
+        req, _ = _parse_request(p, task)
+        return serving.json_response(serving.run(p, req, task))
 
 
-def _run(task: str) -> Response:
-    settings, runner, orchestrator = parts()
-    req = _parse_request(settings, runner, task)
-    _check_task(runner, req, task)
-    deadline = _deadline(settings)
-    with cancel_on_hang_up(request.environ.get("gunicorn.socket") if settings.cancel_on_disconnect else None):
-        body = orchestrator.run(req, task, deadline=deadline, request_id=g.request_id)
-    for stage, ms in body["timings_ms"].items():
-        metrics.STAGE_SECONDS.labels(stage).observe(ms / 1000)
-    body = {"model": runner.info.name if runner.info else "", **body, "request_id": g.request_id}
-    # orjson, on the hub: 1.2 ms for 30 x 2,048 float32 arrays (lists of Python floats: 2.0 ms; json.dumps of
-    # those lists took 37 ms and had to be offloaded)
-    return Response(orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY), mimetype="application/json")
-
-
-def _check_task(runner: Runner, req: InferenceRequest, task: str) -> None:
-    """What the loaded model cannot do is refused before any work (while it loads, admission says 503)."""
-    info = runner.info
-    if info is None:
-        return
-    if task not in info.tasks:
-        raise RequestError(f"the loaded model does not provide {task}; it provides {', '.join(info.tasks)}",
-                           code="task_not_supported")
-    if (req.text.texts or req.text.prompts) and "text" not in info.towers:
-        raise RequestError(f"{info.name} has no text tower, so it cannot embed texts or labels; serve an "
-                           "open_clip model (GREENSERVE_MODEL=open_clip:ViT-B-32) for text", code="text_not_supported"
-                           if req.text.texts else "labels_not_supported")
-    if task == "classify" and not info.labels and not req.text.labels:
-        raise RequestError(f'{info.name} has no fixed classes: send the candidate "labels" (and optionally a '
-                           f'"template" such as "a photo of a {{}}.")', code="labels_required")
-    if task == "classify" and info.labels and req.text.labels:
-        raise RequestError(f"{info.name} classifies into its own {len(info.labels)} labels; drop \"labels\" or "
-                           "serve an open_clip model for zero-shot labels", code="labels_not_supported")
-
-
-def _parse_request(settings: Settings, runner: Runner, task: str) -> InferenceRequest:
+def _parse_request(p: serving.Parts, task: str, openai_too: bool = False
+                   ) -> tuple[InferenceRequest, openai.Options | None]:
+    settings = p.settings
     mimetype = request.mimetype
     if mimetype == "multipart/form-data":
         files = [(f.filename or "", f.read(settings.max_image_bytes + 1)) for f in request.files.getlist("images")]
@@ -164,28 +128,14 @@ def _parse_request(settings: Settings, runner: Runner, task: str) -> InferenceRe
         if unexpected:
             raise RequestError(f"files in unknown field(s) {', '.join(unexpected)}; use the field 'images'")
         fields = {k: v for k, v in request.form.to_dict().items() if k != "labels"}
-        return parse_form(fields, files, settings, task, labels=request.form.getlist("labels"))
+        return parse_form(fields, files, settings, task, labels=request.form.getlist("labels")), None
     if mimetype in ("application/json", "") or mimetype.endswith("+json"):
-        raw = request.get_data(cache=False)
-        if len(raw) > OFFLOAD_JSON_BYTES:
-            return runner.offload(parse_json, raw, settings, task)
-        return parse_json(raw, settings, task)
+        doc = serving.load_body_json(p, request.get_data(cache=False), '{"images": ["https://.../a.jpg"]}')
+        if openai_too and openai.is_openai(doc):
+            return openai.parse(doc, settings, p.runner.info, serving.model_name(p))
+        return parse_doc(doc, settings, task), None
     raise UnsupportedMediaType(f"Content-Type {mimetype!r} is not accepted; send application/json or "
                                "multipart/form-data")
-
-
-def _deadline(settings: Settings) -> float:
-    timeout = settings.request_timeout_s
-    header = request.headers.get("X-Request-Timeout")
-    if header:
-        try:
-            asked = float(header)
-        except ValueError:
-            raise RequestError(f"X-Request-Timeout={header!r} is not a number of seconds") from None
-        if not asked > 0:
-            raise RequestError("X-Request-Timeout must be a positive number of seconds")
-        timeout = min(timeout, asked)
-    return g.started + timeout
 
 
 # ---------------------------------------------------------------------- info and probes
@@ -193,10 +143,22 @@ def _deadline(settings: Settings) -> float:
 
 @bp.get("/v1/models")
 def models() -> Response:
-    _, runner, _ = parts()
+    """Native (``data[0]`` is the model's description), OpenAI (``data[].id``) and KServe v1 (``models``)."""
+    runner = serving.parts().runner
     if runner.info is None:
-        return _json({"data": [], "status": "loading"}, 503)
-    return _json({"data": [runner.info.public()]})
+        return _json({"object": "list", "data": [], "models": [], "status": "loading"}, 503)
+    return _json(openai.models_body(runner.info))
+
+
+@bp.get("/v1/models/<name>")
+def model(name: str) -> Response:
+    """OpenAI's model retrieve and KServe v1's model readiness (``ready``; 503 while loading)."""
+    p = serving.parts()
+    serving.resolve_model(p, name)
+    info = p.runner.info
+    if info is None:
+        return _json({"id": name, "name": name, "object": "model", "ready": False, "error": "model loading"}, 503)
+    return _json({**openai.model_card(name), "name": name, "ready": True})
 
 
 @bp.get("/metrics")
@@ -212,7 +174,7 @@ def healthz() -> Response:
 
 @bp.get("/readyz")
 def readyz() -> Response:
-    _, runner, _ = parts()
+    runner = serving.parts().runner
     if runner.info is not None:
         return _json({"status": "ready", "pid": os.getpid(), "model": runner.info.name})
     reason = f"model failed to load: {runner.load_error}" if runner.load_error else "model loading"
@@ -225,6 +187,8 @@ def _json(body: dict[str, Any], status: int = 200) -> Response:
 
 def register(app: Flask) -> None:
     app.register_blueprint(bp)
+    for blueprint in protocols.BLUEPRINTS:
+        app.register_blueprint(blueprint)
     # werkzeug refuses larger bodies with 413 before the view reads them
     app.config["MAX_CONTENT_LENGTH"] = app.extensions["greenserve"]["settings"].max_body_bytes
     app.config["MAX_FORM_MEMORY_SIZE"] = app.config["MAX_CONTENT_LENGTH"]

@@ -3,18 +3,20 @@
     GreenserveError (500 internal_error; http_error for another framework status)
     ├── RequestError (400)            invalid_request, invalid_json, malformed_body, task_not_supported,
     │                                 empty_text, over_context_length, text_not_supported,
-    │                                 labels_required, labels_not_supported
+    │                                 labels_required, labels_not_supported, dimensions_not_supported,
+    │                                 token_input_not_supported, invalid_tensor, unexpected_output
     ├── Unauthorized (401)            unauthorized
-    ├── NotFound (404)                not_found: no such route
+    ├── NotFound (404)                not_found: no such route; model_not_found: no such model or version
     ├── MethodNotAllowed (405)        method_not_allowed
     ├── PayloadTooLarge (413)         body_too_large, too_many_images, too_many_texts, text_too_long,
     │                                 too_many_labels
-    ├── UnsupportedMediaType (415)    unsupported_content_type
+    ├── UnsupportedMediaType (415)    unsupported_content_type, unsupported_content_encoding
     ├── ImageError (422)              invalid_data_url; one image is unusable, carried per image in
     │   │                             ``details`` / ``errors``
     │   ├── ImageTooLarge (413)       image_too_large (bytes or pixels)
     │   ├── UnsupportedImage (415)    unsupported_image_format
-    │   ├── NotAnImage                not_an_image, empty_image, truncated_image, invalid_image
+    │   ├── NotAnImage                not_an_image, empty_image, truncated_image, invalid_image,
+    │   │                             invalid_base64
     │   └── FetchError                fetch_failed, fetch_timeout, url_not_allowed, invalid_url
     ├── ImagesFailed (by its images)  the request failed because of its images (partial=false)
     ├── Overloaded (503)              overloaded, not_ready; carries Retry-After

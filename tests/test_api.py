@@ -112,8 +112,16 @@ def test_malformed_requests_get_stable_codes(client: FlaskClient, kwargs: dict, 
 
 
 def test_unknown_route_is_json_404(client: FlaskClient) -> None:
-    r = client.get("/v2/nothing")
+    r = client.get("/v3/nothing")
     assert r.status_code == 404 and r.json["error"]["code"] == "not_found"
+    assert r.json["error"]["type"] == "invalid_request_error"  # what the openai SDK reads
+
+
+def test_unknown_route_under_a_protocol_gets_that_protocols_error_shape(client: FlaskClient) -> None:
+    r = client.get("/v2/nothing")  # OIP v2: "error" is the message string
+    assert r.status_code == 404 and isinstance(r.json["error"], str) and r.json["code"] == "not_found"
+    r = client.delete("/predictions/x")  # TorchServe: {"code": status, "type", "message"}
+    assert r.status_code in (404, 405) and r.json["code"] == r.status_code and r.json["message"]
 
 
 def test_failing_batch_is_500_and_worker_keeps_serving(fetcher: FakeFetcher) -> None:

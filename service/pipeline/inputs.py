@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urljoin, urlsplit
 
-from service.errors import FetchError, ImageError, ImageTooLarge, PayloadTooLarge, RequestError
+from service.errors import FetchError, ImageError, ImageTooLarge, NotAnImage, PayloadTooLarge, RequestError
 from service.pipeline.text_inputs import TASK_FIELDS, TextOptions, parse_text_options
 from service.settings import Settings
 
@@ -51,16 +51,24 @@ class InferenceRequest:
 def parse_json(body: bytes, settings: Settings, task: str = "embeddings") -> InferenceRequest:
     """``{"images": [...], "top_k": 5, "normalize": true, "partial": false}`` → request; ``task``'s text
     fields too (``texts`` instead of images for embeddings, ``labels`` for classify, ``query`` for rank)."""
+    return parse_doc(load_json(body), settings, task)
+
+
+def load_json(body: bytes, example: str = '{"images": ["https://.../a.jpg"]}') -> dict[str, Any]:
+    """A request body that must be one JSON object (every protocol's JSON goes through here)."""
     if not body.strip():
-        raise RequestError('the request body is empty; send JSON like {"images": ["https://.../a.jpg"]}',
-                           code="invalid_json")
+        raise RequestError(f"the request body is empty; send JSON like {example}", code="invalid_json")
     try:
         doc = json.loads(body)
     except (ValueError, UnicodeDecodeError) as exc:
-        raise RequestError(f"the body is not valid JSON ({exc}); send "
-                           '{"images": ["https://.../a.jpg"]}', code="invalid_json") from exc
+        raise RequestError(f"the body is not valid JSON ({exc}); send {example}", code="invalid_json") from exc
     if not isinstance(doc, dict):
-        raise RequestError('the JSON body must be an object like {"images": [...]}')
+        raise RequestError(f"the JSON body must be an object like {example}")
+    return doc
+
+
+def parse_doc(doc: Mapping[str, Any], settings: Settings, task: str = "embeddings") -> InferenceRequest:
+    """The native JSON request, already loaded."""
     allowed = ("images", *OPTION_FIELDS, *TASK_FIELDS[task])
     unknown = sorted(set(doc) - set(allowed))
     if unknown:
@@ -73,12 +81,12 @@ def parse_json(body: bytes, settings: Settings, task: str = "embeddings") -> Inf
     images = doc.get("images")
     if not isinstance(images, list) or not images:
         raise RequestError('"images" must be a non-empty list of URLs, relative names or data: URLs')
-    _check_count(len(images), settings)
+    check_count(len(images), settings)
     refs = []
     for i, item in enumerate(images):
         if not isinstance(item, str) or not item.strip():
             raise RequestError(f"images[{i}] must be a non-empty string (URL, relative name or data: URL)")
-        refs.append(_string_ref(i, item.strip(), settings))
+        refs.append(string_ref(i, item.strip(), settings))
     return InferenceRequest(tuple(refs), **_options(doc, settings, task), text=text)
 
 
@@ -93,12 +101,8 @@ def parse_form(fields: Mapping[str, str], files: Sequence[tuple[str, bytes]], se
                            f"field 'images' and options among {', '.join(allowed)}")
     if not files:
         raise RequestError("no files in the form field 'images'; upload with -F images=@photo.jpg")
-    _check_count(len(files), settings)
-    refs = []
-    for i, (filename, data) in enumerate(files):
-        name = filename or f"upload-{i}"
-        err = _size_error(len(data), settings)
-        refs.append(ImageRef(i, name[:_LABEL_MAX], data=None if err else data, error=err))
+    check_count(len(files), settings)
+    refs = [bytes_ref(i, filename or f"upload-{i}", data, settings) for i, (filename, data) in enumerate(files)]
     options = {k: v if k in TEXT_FORM_FIELDS else _form_value(k, v) for k, v in fields.items()}
     if labels:
         options["labels"] = list(labels)
@@ -106,13 +110,33 @@ def parse_form(fields: Mapping[str, str], files: Sequence[tuple[str, bytes]], se
     return InferenceRequest(tuple(refs), **_options(options, settings, task), text=text)
 
 
-def _check_count(n: int, settings: Settings) -> None:
+def check_count(n: int, settings: Settings) -> None:
     if n > settings.max_images:
         raise PayloadTooLarge(f"{n} images in one request; the limit is {settings.max_images}. Split the "
                               "request or set GREENSERVE_MAX_IMAGES", code="too_many_images")
 
 
-def _string_ref(index: int, item: str, settings: Settings) -> ImageRef:
+def bytes_ref(index: int, name: str, data: bytes, settings: Settings) -> ImageRef:
+    """An image whose bytes came in the request (an upload, a binary tensor element, base64)."""
+    err = _size_error(len(data), settings)
+    return ImageRef(index, name[:_LABEL_MAX], data=None if err else data, error=err)
+
+
+def base64_ref(index: int, name: str, payload: str, settings: Settings) -> ImageRef:
+    """Bare base64 (the KServe/TorchServe/TF Serving convention): checked against the byte cap first."""
+    err = _size_error(len(payload) * 3 // 4 - 2, settings)  # base64 inflates by 4/3
+    if err:
+        return ImageRef(index, name[:_LABEL_MAX], error=err)
+    try:
+        data = base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError) as exc:
+        return ImageRef(index, name[:_LABEL_MAX], error=NotAnImage(
+            f"not valid base64 ({exc}); send the image's bytes base64-encoded, or a URL", code="invalid_base64"))
+    return bytes_ref(index, name, data, settings)
+
+
+def string_ref(index: int, item: str, settings: Settings) -> ImageRef:
+    """A URL, a relative name (joined to GREENSERVE_IMAGE_BASE_URL) or a data: URL."""
     if item[:5].lower() == "data:":
         return _data_ref(index, item, settings)
     scheme = urlsplit(item).scheme.lower()

@@ -65,6 +65,15 @@ def text_slots(n_texts: int) -> int:
     return -(-n_texts // TEXTS_PER_SLOT)
 
 
+@dataclass(frozen=True)
+class Rows:
+    """``run_rows``' answer: the model that made the rows, one row per image in request order, timings."""
+
+    info: ModelInfo
+    rows: tuple[Row, ...]
+    timings_ms: dict[str, float]
+
+
 class _ImageFailed(Exception):
     """Thrown into the request's greenlet when one of its images failed and partial results are off."""
 
@@ -109,6 +118,20 @@ class Orchestrator:
         cancelled, its decodes stopped and its queued images dropped before the model."""
         if req.text.texts:
             return self.run_texts(req, deadline=deadline)
+        info, outcomes, spans, prompts = self._collect(req, deadline, request_id)
+        return self._respond(req, task, info, outcomes, spans, prompts)
+
+    def run_rows(self, req: InferenceRequest, *, deadline: float, request_id: str = "") -> Rows:
+        """Each image's row (features and logits of one forward), in request order, for a protocol that
+        encodes its own outputs (OIP v2 tensors). Any unusable image fails the whole request."""
+        assert not req.partial and not req.text.texts and not req.text.prompts
+        info, outcomes, spans, _ = self._collect(req, deadline, request_id)
+        rows = tuple(row for ref in req.refs if isinstance(row := outcomes[ref.index], Row))
+        assert len(rows) == len(req.refs)  # not partial: a failure raised ImagesFailed
+        return Rows(info, rows, _timings(spans, texts=False))
+
+    def _collect(self, req: InferenceRequest, deadline: float, request_id: str
+                 ) -> tuple[ModelInfo, dict[int, Row | ImageError], _Spans, np.ndarray | None]:
         spans = _Spans()
         outcomes: dict[int, Row | ImageError] = {r.index: r.error for r in req.refs if r.error is not None}
         if outcomes and not req.partial:
@@ -129,7 +152,7 @@ class Orchestrator:
                     self._process(req, work, request_id)
             except _ImageFailed:
                 self._fail(req, outcomes)
-        return self._respond(req, task, info, outcomes, spans, prompts)
+        return info, outcomes, spans, prompts
 
     def run_texts(self, req: InferenceRequest, *, deadline: float) -> dict[str, Any]:
         """Text embeddings: ``{"data": [{"index", "embedding", "tokens", "truncated"}], ...}``."""
@@ -215,11 +238,15 @@ class Orchestrator:
                 data.append({"index": ref.index, "image": ref.name, **_result(req, task, info, row, prompts)})
         if task == "rank":  # best first; ties keep request order
             data = sorted(data, key=lambda item: -item["score"])[:req.top_k]
-        timings = {stage: spans.ms(stage) for stage in ("text", "fetch", "decode", "queue", "inference")
-                   if stage != "text" or prompts is not None}
-        timings["total"] = round((time.monotonic() - spans.started) * 1000, 1)
         return {"data": data, "errors": [image_error_item(i, name, err) for i, name, err in failures],
-                "timings_ms": timings}
+                "timings_ms": _timings(spans, texts=prompts is not None)}
+
+
+def _timings(spans: _Spans, *, texts: bool) -> dict[str, float]:
+    timings = {stage: spans.ms(stage) for stage in ("text", "fetch", "decode", "queue", "inference")
+               if stage != "text" or texts}
+    timings["total"] = round((time.monotonic() - spans.started) * 1000, 1)
+    return timings
 
 
 def _deadline_timeout(deadline: float, what: str) -> gevent.Timeout:

@@ -20,11 +20,16 @@ def embedding(features: np.ndarray, *, normalize: bool) -> np.ndarray:
     return np.ascontiguousarray(vec)
 
 
-def top_k(logits: np.ndarray, k: int, labels: Sequence[str]) -> list[dict[str, Any]]:
-    """Softmax scores of the ``k`` best classes, best first."""
+def probabilities(logits: np.ndarray) -> np.ndarray:
+    """The softmax of one row of logits (float64: the top-k scores are rounded from these)."""
     z = logits.astype(np.float64) - float(np.max(logits))
     probs = np.exp(z)
-    probs /= probs.sum()
+    return probs / probs.sum()
+
+
+def top_k(logits: np.ndarray, k: int, labels: Sequence[str]) -> list[dict[str, Any]]:
+    """Softmax scores of the ``k`` best classes, best first."""
+    probs = probabilities(logits)
     k = min(k, probs.shape[0])
     best = np.argpartition(-probs, k - 1)[:k]
     best = best[np.argsort(-probs[best], kind="stable")]
