@@ -17,7 +17,7 @@ import orjson
 from flask import Blueprint, Flask, Response, current_app, g, request
 from werkzeug.exceptions import HTTPException
 
-from service import metrics, protocols, serving
+from service import metrics, openapi, protocols, serving
 from service.errors import ClientGone, GreenserveError, RequestError, Unauthorized, UnsupportedMediaType, from_http_status
 from service.pipeline.inputs import InferenceRequest, parse_doc, parse_form
 from service.protocols import openai
@@ -187,7 +187,7 @@ def _json(body: dict[str, Any], status: int = 200) -> Response:
 
 def register(app: Flask) -> None:
     app.register_blueprint(bp)
-    for blueprint in protocols.BLUEPRINTS:
+    for blueprint in (*protocols.BLUEPRINTS, openapi.bp):
         app.register_blueprint(blueprint)
     # werkzeug refuses larger bodies with 413 before the view reads them
     app.config["MAX_CONTENT_LENGTH"] = app.extensions["greenserve"]["settings"].max_body_bytes

@@ -109,12 +109,12 @@ class ImagesFailed(GreenserveError):
 
     def __init__(self, failures: list[tuple[int, str, ImageError]]) -> None:
         statuses = {err.status_code for _, _, err in failures}
-        first = failures[0][2]
+        _, first_name, first = failures[0]
         self.status_code = statuses.pop() if len(statuses) == 1 else 422
         details = [image_error_item(i, ref, err) for i, ref, err in failures]
         n = len(failures)
-        message = (f"{n} image(s) could not be used; the first: {first.message}. "
-                   "Fix or drop them, or send \"partial\": true to get results for the rest")
+        message = (f"{n} image(s) could not be used; the first, {first_name}: {first.message}. Fix or drop them "
+                   "(the native routes also take \"partial\": true to get results for the rest)")
         super().__init__(message, code=first.code, details=details)
 
 

@@ -20,7 +20,8 @@ from service.balance.gate import Balance
 from service.connection import cancel_on_hang_up
 from service.engine.model import ModelInfo
 from service.engine.runner import Runner
-from service.errors import NotFound, RequestError
+from service.engine.scheduling import NOT_READY_RETRY_S
+from service.errors import NotFound, Overloaded, RequestError
 from service.pipeline.inputs import InferenceRequest, load_json
 from service.pipeline.orchestrate import Orchestrator, Rows
 from service.settings import Settings
@@ -111,6 +112,14 @@ def deadline(settings: Settings, timeout_s: float | None = None) -> float:
     if timeout_s is not None:
         timeout = min(timeout, timeout_s)
     return g.started + timeout
+
+
+def require_info(p: Parts) -> ModelInfo:
+    """The loaded model's description, or the 503 admission gives while it loads."""
+    if p.runner.info is None:
+        raise Overloaded("the model is still loading on this worker; retry shortly", retry_after_s=NOT_READY_RETRY_S,
+                         code="not_ready")
+    return p.runner.info
 
 
 def model_name(p: Parts) -> str:

@@ -11,6 +11,7 @@ from harness.imagehost import ImageHost
 from harness.launch import GunicornServer
 from tests import images
 
+GUARD_TOKEN = "s3cret-e2e"  # the ``guarded`` server's GREENSERVE_API_TOKEN
 E2E_MODEL = "resnet18"  # small real torchvision model; weights saved to a temp file (no download here)
 
 
@@ -60,4 +61,12 @@ def e2e_env(weights_file: Path, image_host: ImageHost, **extra: str) -> dict[str
 def server(weights_file: Path, image_host: ImageHost) -> Iterator[GunicornServer]:
     """greenserve under gunicorn -k gevent: 2 workers, resnet18 from a saved state dict."""
     with GunicornServer(e2e_env(weights_file, image_host), workers=2) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="session")
+def guarded(weights_file: Path, image_host: ImageHost) -> Iterator[GunicornServer]:
+    """One worker with a token (GUARD_TOKEN) and a 4-image queue: auth and overload, for every protocol."""
+    env = e2e_env(weights_file, image_host, GREENSERVE_API_TOKEN=GUARD_TOKEN, GREENSERVE_MAX_QUEUE_IMAGES="4")
+    with GunicornServer(env, workers=1) as srv:
         yield srv

@@ -228,3 +228,22 @@ def _cache_counts(server: GunicornServer) -> dict[str, float]:
             result = line.split('result="')[1].split('"')[0]
             counts[result] += float(line.rsplit(" ", 1)[1])
     return counts
+
+
+def test_the_openai_sdk_embeds_texts_only_when_asked(clip_server: GunicornServer) -> None:
+    import openai
+
+    native = vectors(post(clip_server, "embeddings", {"texts": TEXTS}))
+    image = vectors(post(clip_server, "embeddings", {"images": ["img000.jpg"]}))
+    with openai.OpenAI(base_url=f"{clip_server.url}/v1", api_key="unused", max_retries=0, timeout=120) as client:
+        texts = client.embeddings.create(model=f"open_clip:{ARCH}", input=TEXTS, extra_body={"modality": "text"})
+        photo = client.embeddings.create(model=f"open_clip:{ARCH}", input=["img000.jpg"])  # no modality: an image
+    np.testing.assert_allclose([e.embedding for e in texts.data], native, atol=1e-6)
+    assert texts.usage.prompt_tokens == 7 + 10 + 9
+    np.testing.assert_allclose(photo.data[0].embedding, image[0], atol=1e-6)
+    objects = requests.post(clip_server.url + "/v1/embeddings", timeout=60, json={
+        "model": f"open_clip:{ARCH}", "input": [{"text": t} for t in TEXTS]})
+    np.testing.assert_allclose(vectors(objects), native, atol=1e-6)
+    mixed = requests.post(clip_server.url + "/v1/embeddings", timeout=60, json={
+        "model": f"open_clip:{ARCH}", "input": [{"text": TEXTS[0]}, "img000.jpg"]})
+    assert mixed.status_code == 400 and mixed.json()["error"]["code"] == "invalid_request"

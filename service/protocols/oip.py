@@ -1,14 +1,201 @@
-"""Open Inference Protocol v2 (Triton HTTP / KServe v2)."""
+"""Open Inference Protocol v2 (Triton HTTP, KServe v2, OpenVINO Model Server, MLServer clients):
+health, server/model metadata, Triton's model config, and ``infer`` through the shared request path.
+
+Health follows what every client can read: 200 with ``{"live"|"ready": true}`` bodies (kserve's client
+parses them; tritonclient reads only the status), and 503 while this worker's model loads (Triton says
+400, which k8s probes treat the same). ``error`` in every error body is the message string: tritonclient
+reads ``body["error"]`` as one. Content-Type is ignored on ``infer`` (tritonclient sends none, ``curl -d``
+sends a form type), so the body is never parsed as a form.
+"""
 
 from __future__ import annotations
 
+import gzip
+import os
 import re
+import zlib
+from importlib.metadata import PackageNotFoundError, version
 
-from flask import Blueprint
+import orjson
+from flask import Blueprint, Response, g, request
 
+from service import serving
+from service.engine.model import ModelInfo
+from service.errors import NotFound, PayloadTooLarge, UnsupportedMediaType
+from service.protocols import oip_wire as wire
 from service.protocols.surface import Surface, flat_error_body
 
 bp = Blueprint("oip", __name__)
 SURFACE = Surface("oip", re.compile(r"^/v2(/|$)"),
                   re.compile(r"^/v2/?$|^/v2/health/(live|ready)$|^/v2/models/[^/]+(/versions/[^/]+)?/ready$"),
                   flat_error_body)
+EXTENSIONS = ["binary_tensor_data", "classification", "model_configuration", "parameters"]
+VERSION = "1"  # one model, one version: /versions/1 is accepted, any other is 404
+_MODEL = "/v2/models/<name>"
+_VERSIONED = "/v2/models/<name>/versions/<version>"
+_INFLATE_CHUNK = 1024 * 1024
+
+
+def _package_version() -> str:
+    try:
+        return version("greenserve")
+    except PackageNotFoundError:
+        return "0"
+
+
+@bp.get("/v2")
+@bp.get("/v2/")
+def server_metadata() -> Response:
+    return serving.json_response({"name": "greenserve", "version": _package_version(), "extensions": EXTENSIONS})
+
+
+@bp.get("/v2/health/live")
+def live() -> Response:
+    return serving.json_response({"live": True})
+
+
+@bp.get("/v2/health/ready")
+def ready() -> Response:
+    runner = serving.parts().runner
+    if runner.info is not None:
+        return serving.json_response({"ready": True})
+    reason = f"model failed to load: {runner.load_error}" if runner.load_error else "model loading"
+    return serving.json_response({"ready": False, "error": reason}, 503)
+
+
+@bp.get("/v2/models")
+def models() -> Response:
+    p = serving.parts()
+    state = "READY" if p.runner.info else "LOADING"
+    return serving.json_response({"models": [{"name": serving.model_name(p), "versions": [VERSION], "state": state}]})
+
+
+@bp.post("/v2/repository/index")
+def repository_index() -> Response:
+    """Read-only: this server serves its one model; loading and unloading are not offered."""
+    p = serving.parts()
+    return serving.json_response([{"name": serving.model_name(p), "version": VERSION,
+                                   "state": "READY" if p.runner.info else "LOADING"}])
+
+
+@bp.get(_MODEL + "/ready")
+@bp.get(_VERSIONED + "/ready")
+def model_ready(name: str, version: str | None = None) -> Response:
+    p = serving.parts()
+    _check_model(p, name, version)
+    ok = p.runner.info is not None
+    return serving.json_response({"name": name, "ready": ok, **({} if ok else {"error": "model loading"})},
+                                 200 if ok else 503)
+
+
+@bp.get(_MODEL)
+@bp.get(_VERSIONED)
+def model_metadata(name: str, version: str | None = None) -> Response:
+    p = serving.parts()
+    _check_model(p, name, version)
+    info = serving.require_info(p)
+    outputs = [{"name": n, "datatype": "FP32", "shape": [-1, dim]} for n, dim in _outputs(info)]
+    return serving.json_response({"name": name, "versions": [VERSION], "platform": _platform(info),
+                                  "inputs": [{"name": wire.INPUT, "datatype": "BYTES", "shape": [-1, 1]}],
+                                  "outputs": outputs})
+
+
+@bp.get(_MODEL + "/config")
+@bp.get(_VERSIONED + "/config")
+def model_config(name: str, version: str | None = None) -> Response:
+    """The JSON form of Triton's ModelConfig, for clients that size their batches from it."""
+    p = serving.parts()
+    _check_model(p, name, version)
+    info = serving.require_info(p)
+    s = p.settings
+    outputs = [{"name": n, "data_type": "TYPE_FP32", "dims": [dim], "label_filename": ""} for n, dim in _outputs(info)]
+    return serving.json_response({
+        "name": name, "platform": _platform(info), "backend": "greenserve", "max_batch_size": s.max_images,
+        "input": [{"name": wire.INPUT, "data_type": "TYPE_STRING", "format": "FORMAT_NONE", "dims": [1]}],
+        "output": outputs,
+        "dynamic_batching": {"max_queue_delay_microseconds": int(s.max_batch_wait_ms * 1000),
+                             "preferred_batch_size": [s.max_batch]},
+        "version_policy": {"latest": {"num_versions": 1}}})
+
+
+@bp.post(_MODEL + "/infer")
+@bp.post(_VERSIONED + "/infer")
+def infer(name: str, version: str | None = None) -> Response:
+    with serving.busy() as p:
+        _check_model(p, name, version)
+        info = serving.require_info(p)
+        call = _parse(p, [n for n, _ in _outputs(info)])
+        rows = serving.run_rows(p, call.request, call.tasks, timeout_s=call.timeout_s)
+    outputs, chunks = wire.encode_outputs(call, rows.rows, rows.info.labels)
+    doc = {"model_name": name, "model_version": VERSION, **({"id": call.id} if call.id is not None else {}),
+           "parameters": {"request_id": g.request_id, "worker_pid": os.getpid()}, "outputs": outputs}
+    head = orjson.dumps(doc, option=orjson.OPT_SERIALIZE_NUMPY)
+    if not chunks:
+        return _compressed(head, "application/json", {})
+    return _compressed(head + b"".join(chunks), "application/octet-stream", {wire.HEADER: str(len(head))})
+
+
+def _parse(p: serving.Parts, available: list[str]) -> wire.InferCall:
+    body = _inflate(p, request.get_data(cache=False))
+    header = request.headers.get(wire.HEADER)
+    if header is not None and header.strip() == "0":
+        return wire.raw_call(body, p.settings, available)
+    head, binary = wire.split_body(body, header)
+    doc = serving.load_body_json(p, head, '{"inputs": [{"name": "IMAGE", "datatype": "BYTES", "shape": [1], '
+                                          '"data": ["https://.../a.jpg"]}]}')
+    return wire.parse_call(doc, binary, p.settings, available)
+
+
+def _inflate(p: serving.Parts, body: bytes) -> bytes:
+    """A gzip/deflate request body (tritonclient's request_compression_algorithm), never past the body cap."""
+    encoding = request.headers.get("Content-Encoding", "identity").strip().lower()
+    if encoding in ("identity", ""):
+        return body
+    if encoding not in ("gzip", "deflate"):
+        raise UnsupportedMediaType(f"Content-Encoding {encoding!r} is not accepted; use gzip, deflate or none",
+                                   code="unsupported_content_encoding")
+    return p.runner.offload(_decompress, body, encoding, p.settings.max_body_bytes)
+
+
+def _decompress(body: bytes, encoding: str, limit: int) -> bytes:
+    inflater = zlib.decompressobj(zlib.MAX_WBITS | 32)  # either header: gzip or zlib
+    try:
+        out = inflater.decompress(body, limit + 1)
+    except zlib.error as exc:
+        raise wire.invalid(f"the {encoding} body does not inflate ({exc})") from exc
+    if len(out) > limit:
+        raise PayloadTooLarge(f"the body inflates past {limit} bytes; send fewer/smaller images or set "
+                              "GREENSERVE_MAX_BODY_BYTES")
+    return out
+
+
+def _compressed(body: bytes, mimetype: str, headers: dict[str, str]) -> Response:
+    """gzip the answer when the client asked (tritonclient's response_compression_algorithm)."""
+    accepted = request.headers.get("Accept-Encoding", "").lower()
+    if "gzip" in accepted and len(body) > 1024:
+        body = gzip.compress(body, compresslevel=1)
+        headers = {**headers, "Content-Encoding": "gzip"}
+    return Response(body, headers=headers, mimetype=mimetype)
+
+
+def _check_model(p: serving.Parts, name: str, version: str | None) -> None:
+    served = serving.model_name(p)
+    if name != served:
+        raise NotFound(f"Request for unknown model: {name!r}; this server serves {served!r}", code="model_not_found")
+    if version not in (None, VERSION):
+        raise NotFound(f"Request for unknown model version: {name!r} version {version!r}; the only version is "
+                       f"{VERSION}", code="model_not_found")
+
+
+def _outputs(info: ModelInfo) -> list[tuple[str, int]]:
+    """The model's output tensors and their widths: what its tasks can give from one forward."""
+    out = []
+    if "embeddings" in info.tasks and info.embedding_dim:
+        out.append((wire.EMBEDDING, info.embedding_dim))
+    if info.labels:
+        out.append((wire.PROBABILITIES, len(info.labels)))
+    return out
+
+
+def _platform(info: ModelInfo) -> str:
+    return "pytorch_torchscript" if info.format == "torchscript" else f"pytorch_{info.family}"
