@@ -69,6 +69,9 @@ def handle_http(exc: HTTPException) -> Response:
     if status == 413:
         limit = current_app.extensions["greenserve"]["settings"].max_body_bytes
         message = f"the request body exceeds {limit} bytes; send fewer/smaller images or set GREENSERVE_MAX_BODY_BYTES"
+        if request.content_length is not None and request.content_length <= limit:  # werkzeug's part count
+            message = (f"the form has more than {current_app.config['MAX_FORM_PARTS']} parts; send fewer images "
+                       "or labels per request (GREENSERVE_MAX_IMAGES, GREENSERVE_MAX_LABELS)")
     err = from_http_status(status, message)
     return error_response(err.status_code, err.to_dict(), {})
 
@@ -192,4 +195,7 @@ def register(app: Flask) -> None:
     # werkzeug refuses larger bodies with 413 before the view reads them
     app.config["MAX_CONTENT_LENGTH"] = app.extensions["greenserve"]["settings"].max_body_bytes
     app.config["MAX_FORM_MEMORY_SIZE"] = app.config["MAX_CONTENT_LENGTH"]
+    settings = app.extensions["greenserve"]["settings"]
+    # werkzeug's default of 1,000 form parts would refuse a form within the image and label limits
+    app.config["MAX_FORM_PARTS"] = settings.max_images + settings.max_labels + 16
 

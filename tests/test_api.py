@@ -66,6 +66,18 @@ def test_classify_returns_top_k_labels(client: FlaskClient) -> None:
     assert labels[0]["score"] >= labels[1]["score"] >= labels[2]["score"]
 
 
+def test_a_form_within_the_limits_is_not_refused_for_its_part_count(model: FakeModel, fetcher: FakeFetcher) -> None:
+    s = Settings(image_base_url=BASE, max_images=8, max_labels=1200, max_body_bytes=4 << 20)
+    client = create_app(s, model=model, fetcher=fetcher).test_client()
+    labels = [f"l{i}" for i in range(1100)]  # more parts than werkzeug's default 1,000
+    r = client.post("/v1/classify", data={"images": [(io.BytesIO(solid(10)), "a.png")], "labels": labels},
+                    content_type="multipart/form-data")
+    assert r.status_code == 400 and r.json["error"]["code"] == "labels_not_supported"  # parsed, then judged
+    r = client.post("/v1/classify", data={"images": [(io.BytesIO(solid(10)), "a.png")], "labels": labels * 2},
+                    content_type="multipart/form-data")
+    assert r.status_code == 413 and "parts" in r.json["error"]["message"]
+
+
 def test_multipart_upload(client: FlaskClient) -> None:
     r = client.post("/v1/classify", data={"images": [(io.BytesIO(solid(10)), "a.png"), (io.BytesIO(solid(200)), "b.png")],
                                           "top_k": "1"}, content_type="multipart/form-data")

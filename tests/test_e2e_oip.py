@@ -73,6 +73,11 @@ def test_health_metadata_and_config(server: GunicornServer) -> None:
             c.get_model_metadata("nope")
         assert err.value.status() == "404" and "unknown model" in err.value.message()
     assert requests.get(server.url + "/v2/", timeout=TIMEOUT).json()["name"] == "greenserve"
+    assert requests.get(server.url + "/v2/models", timeout=TIMEOUT).json() == {"models": [E2E_MODEL]}
+    index = requests.post(server.url + "/v2/repository/index", timeout=TIMEOUT).json()
+    assert index == [{"name": E2E_MODEL, "version": "1", "state": "READY"}]
+    r = requests.get(server.url + "/v2/models/nope/ready", timeout=TIMEOUT)
+    assert r.status_code == 404 and isinstance(r.json()["error"], str) and r.json()["code"] == "model_not_found"
 
 
 def test_binary_infer_matches_the_native_routes(server: GunicornServer, album: dict[str, bytes]) -> None:

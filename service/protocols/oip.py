@@ -65,9 +65,8 @@ def ready() -> Response:
 
 @bp.get("/v2/models")
 def models() -> Response:
-    p = serving.parts()
-    state = "READY" if p.runner.info else "LOADING"
-    return serving.json_response({"models": [{"name": serving.model_name(p), "versions": [VERSION], "state": state}]})
+    """KServe's list: the model names (readiness is /v2/models/<m>/ready)."""
+    return serving.json_response({"models": [serving.model_name(serving.parts())]})
 
 
 @bp.post("/v2/repository/index")

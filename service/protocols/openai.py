@@ -28,7 +28,7 @@ from service.settings import Settings
 FIELDS = ("model", "input", "encoding_format", "dimensions", "user", "modality", "normalize", "partial", "truncate")
 ENCODINGS = ("float", "base64")
 CREATED = int(time.time())  # OpenAI's ``created``: when this worker started
-_IMAGE_KEYS = ("image", "url", "image_url", "image_base64", "bytes", "b64")
+IMAGE_KEYS = ("image", "url", "image_url", "image_base64", "bytes", "b64")
 
 
 @dataclass(frozen=True)
@@ -110,7 +110,7 @@ def _image_ref(index: int, item: Any, settings: Settings) -> ImageRef:
     if isinstance(item, str) and item.strip():
         return string_ref(index, item.strip(), settings)
     if isinstance(item, dict):
-        keys = [k for k in _IMAGE_KEYS if k in item]
+        keys = [k for k in IMAGE_KEYS if k in item]
         if len(keys) == 1 and set(item) - {"type"} == {keys[0]}:
             value = item[keys[0]]
             if isinstance(value, dict) and keys[0] == "image_url":
