@@ -18,9 +18,11 @@ from flask import Blueprint, Flask, Response, current_app, g, request
 from werkzeug.exceptions import HTTPException
 
 from service import metrics, openapi, protocols, serving
+from service.engine.model import ModelInfo
 from service.errors import ClientGone, GreenserveError, RequestError, Unauthorized, UnsupportedMediaType, from_http_status
-from service.pipeline.inputs import InferenceRequest, parse_doc, parse_form
+from service.pipeline.inputs import InferenceRequest, load_json, parse_doc, parse_form
 from service.protocols import openai
+from service.settings import Settings
 
 log = logging.getLogger(__name__)
 bp = Blueprint("api", __name__)
@@ -133,12 +135,19 @@ def _parse_request(p: serving.Parts, task: str, openai_too: bool = False
         fields = {k: v for k, v in request.form.to_dict().items() if k != "labels"}
         return parse_form(fields, files, settings, task, labels=request.form.getlist("labels")), None
     if mimetype in ("application/json", "") or mimetype.endswith("+json"):
-        doc = serving.load_body_json(p, request.get_data(cache=False), '{"images": ["https://.../a.jpg"]}')
-        if openai_too and openai.is_openai(doc):
-            return openai.parse(doc, settings, p.runner.info, serving.model_name(p))
-        return parse_doc(doc, settings, task), None
+        return serving.parse_body(p, request.get_data(cache=False), _parse_json, settings, task,
+                                  openai_too, p.runner.info, serving.model_name(p))
     raise UnsupportedMediaType(f"Content-Type {mimetype!r} is not accepted; send application/json or "
                                "multipart/form-data")
+
+
+def _parse_json(raw: bytes, settings: Settings, task: str, openai_too: bool, info: ModelInfo | None,
+                name: str) -> tuple[InferenceRequest, openai.Options | None]:
+    """The native JSON body, or (on /v1/embeddings) OpenAI's ``{"model", "input"}``."""
+    doc = load_json(raw, '{"images": ["https://.../a.jpg"]}')
+    if openai_too and openai.is_openai(doc):
+        return openai.parse(doc, settings, info, name)
+    return parse_doc(doc, settings, task), None
 
 
 # ---------------------------------------------------------------------- info and probes

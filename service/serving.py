@@ -7,10 +7,10 @@ deadlines (504), hang-up cancelling and stage metrics are the same behind each o
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import orjson
 from flask import Response, current_app, g, request
@@ -22,11 +22,12 @@ from service.engine.model import ModelInfo
 from service.engine.runner import Runner
 from service.engine.scheduling import NOT_READY_RETRY_S
 from service.errors import NotFound, Overloaded, RequestError
-from service.pipeline.inputs import InferenceRequest, load_json
+from service.pipeline.inputs import InferenceRequest
 from service.pipeline.orchestrate import Orchestrator, Rows
 from service.settings import Settings
 
 OFFLOAD_JSON_BYTES = 256 * 1024  # bodies above this are parsed in a decode thread, not on the hub
+T = TypeVar("T")
 EMBEDDING_SUFFIX = "-embedding"  # KServe v1 / TorchServe name the embedding "model" beside the classifier
 
 
@@ -70,11 +71,12 @@ def run_rows(p: Parts, req: InferenceRequest, tasks: tuple[str, ...], *, timeout
     return rows
 
 
-def load_body_json(p: Parts, raw: bytes, example: str) -> dict[str, Any]:
-    """A JSON object body; large ones are parsed in a decode thread so the hub keeps answering."""
+def parse_body(p: Parts, raw: bytes, parse: Callable[..., T], *args: Any) -> T:
+    """``parse(raw, *args)``: a large body is parsed in a decode thread (JSON, base64 data, binary tensors
+    are all O(body) work), so the hub keeps answering; a small one right here."""
     if len(raw) > OFFLOAD_JSON_BYTES:
-        return p.runner.offload(load_json, raw, example)
-    return load_json(raw, example)
+        return p.runner.offload(parse, raw, *args)
+    return parse(raw, *args)
 
 
 def check_task(info: ModelInfo | None, req: InferenceRequest, task: str) -> None:

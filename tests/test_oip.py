@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import json
 
 import pytest
 from flask.testing import FlaskClient
@@ -62,3 +63,28 @@ def test_routes_answer_in_the_protocols_shape(client: FlaskClient, path: str, st
     assert r.status_code == status
     if status != 200:
         assert isinstance(r.json["error"], str) and r.json["code"] in ("model_not_found", "not_found")
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/embeddings", {"images": ["data:image/png;base64,B64"]}),
+    ("/v1/embeddings", {"model": "fake", "input": ["data:image/png;base64,B64"]}),
+    ("/v1/models/fake:predict", {"instances": [{"b64": "B64"}]}),
+    ("/v2/models/fake/infer", {"inputs": [{"name": "IMAGE", "datatype": "BYTES", "shape": [1], "data": ["B64"]}]}),
+])
+def test_a_large_body_is_parsed_off_the_hub_on_every_protocol(path: str, body: dict) -> None:
+    """Base64 of 30 photos is tens of MB of decoding: never on the hub, whichever protocol carries it."""
+    app = create_app(Settings(max_body_bytes=4 << 20), model=FakeModel(), fetcher=FakeFetcher({}))
+    png = images.encode(Image.new("RGB", (40, 40)), "PNG")
+    raw = json.dumps(body).replace("B64", base64.b64encode(png).decode()) + " " * 300_000  # past the threshold
+    runner = app.extensions["greenserve"]["runner"]
+    offloaded: list[str] = []
+    real = runner.offload
+
+    def spy(fn, *args, **kw):  # type: ignore[no-untyped-def]
+        offloaded.append(fn.__name__)
+        return real(fn, *args, **kw)
+
+    runner.offload = spy
+    r = app.test_client().post(path, data=raw, content_type="application/json")
+    assert r.status_code == 200, r.json
+    assert offloaded[0] in ("_parse_json", "parse_body", "parse_request"), offloaded

@@ -24,7 +24,7 @@ from flask import Blueprint, Response, request
 
 from service import serving
 from service.errors import RequestError
-from service.pipeline.inputs import DEFAULT_TOP_K, ImageRef, InferenceRequest, base64_ref, check_count, string_ref
+from service.pipeline.inputs import DEFAULT_TOP_K, ImageRef, InferenceRequest, base64_ref, check_count, load_json, string_ref
 from service.protocols.surface import Surface, flat_error_body
 from service.settings import Settings
 
@@ -48,10 +48,13 @@ def alive() -> Response:
 def predict(name: str) -> Response:
     with serving.busy() as p:
         task = serving.resolve_model(p, name)
-        doc = serving.load_body_json(p, request.get_data(cache=False), EXAMPLE)
-        req = parse(doc, p.settings)
+        req = serving.parse_body(p, request.get_data(cache=False), parse_body, p.settings)
         body = serving.run(p, req, task)
     return serving.json_response({"predictions": predictions(body, task)})
+
+
+def parse_body(raw: bytes, settings: Settings) -> InferenceRequest:
+    return parse(load_json(raw, EXAMPLE), settings)
 
 
 def parse(doc: Mapping[str, Any], settings: Settings) -> InferenceRequest:

@@ -136,13 +136,7 @@ def infer(name: str, version: str | None = None) -> Response:
 
 def _parse(p: serving.Parts, available: list[str]) -> wire.InferCall:
     body = _inflate(p, request.get_data(cache=False))
-    header = request.headers.get(wire.HEADER)
-    if header is not None and header.strip() == "0":
-        return wire.raw_call(body, p.settings, available)
-    head, binary = wire.split_body(body, header)
-    doc = serving.load_body_json(p, head, '{"inputs": [{"name": "IMAGE", "datatype": "BYTES", "shape": [1], '
-                                          '"data": ["https://.../a.jpg"]}]}')
-    return wire.parse_call(doc, binary, p.settings, available)
+    return serving.parse_body(p, body, wire.parse_request, request.headers.get(wire.HEADER), p.settings, available)
 
 
 def _inflate(p: serving.Parts, body: bytes) -> bytes:

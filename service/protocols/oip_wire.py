@@ -21,7 +21,7 @@ import numpy as np
 from service.engine.batcher import Row
 from service.errors import RequestError
 from service.pipeline import postprocess
-from service.pipeline.inputs import ImageRef, InferenceRequest, base64_ref, bytes_ref, check_count, string_ref
+from service.pipeline.inputs import ImageRef, InferenceRequest, base64_ref, bytes_ref, check_count, load_json, string_ref
 from service.settings import Settings
 
 INPUT = "IMAGE"
@@ -29,6 +29,7 @@ EMBEDDING = "EMBEDDING"
 PROBABILITIES = "PROBABILITIES"
 HEADER = "Inference-Header-Content-Length"
 _PREFIX = 4  # a BYTES element's length: uint32, little-endian
+EXAMPLE = '{"inputs": [{"name": "IMAGE", "datatype": "BYTES", "shape": [1], "data": ["https://.../a.jpg"]}]}'
 
 
 @dataclass(frozen=True)
@@ -52,6 +53,14 @@ class InferCall:
 
 def invalid(message: str) -> RequestError:
     return RequestError(message, code="invalid_tensor")
+
+
+def parse_request(body: bytes, header: str | None, settings: Settings, available: Sequence[str]) -> InferCall:
+    """A whole infer body, with its ``Inference-Header-Content-Length`` (``"0"``: a raw image body)."""
+    if header is not None and header.strip() == "0":
+        return raw_call(body, settings, available)
+    head, binary = split_body(body, header)
+    return parse_call(load_json(head, EXAMPLE), binary, settings, available)
 
 
 def split_body(body: bytes, header: str | None) -> tuple[bytes, memoryview]:
