@@ -32,6 +32,7 @@ import requests
 
 from bench import bare
 from bench.report import machine
+from bench.report import rows_table as table
 from harness.launch import GunicornServer
 
 OUT = Path("bench/out")
@@ -189,12 +190,6 @@ def text(model_name: str, weights: Path, cores: int) -> dict[str, Any]:
             rows[-1]["vs_bare"] = round(rows[-1]["texts_per_s"] / yardstick, 2)
             print(json.dumps(rows[-1]), flush=True)
     return {"bare_texts_per_s": round(yardstick, 1), "served": rows}
-
-
-def table(rows: list[dict[str, Any]]) -> str:
-    cols = list(rows[0])
-    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    return "\n".join(lines + ["| " + " | ".join(str(r[c]) for c in cols) + " |" for r in rows])
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -42,6 +42,7 @@ import tritonclient.http as httpclient
 from bench import bare
 from bench.album import ensure_album, load_album
 from bench.report import machine
+from bench.report import rows_table as table
 from harness.imagehost import ImageHost
 from harness.launch import GunicornServer
 
@@ -110,12 +111,6 @@ def run(calls: dict[str, Call], reps: int) -> list[dict[str, Any]]:
     base = statistics.mean(times["native urls"])
     return [{"mode": name, "mean_s": round(statistics.mean(t), 3), "x native urls": round(statistics.mean(t) / base, 2),
              "min_s": round(min(t), 3), "client_sent_MB": round(sent[name] / 1e6, 2)} for name, t in times.items()]
-
-
-def table(rows: list[dict[str, Any]]) -> str:
-    cols = list(rows[0])
-    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    return "\n".join(lines + ["| " + " | ".join(str(r[c]) for c in cols) + " |" for r in rows])
 
 
 def main(argv: list[str] | None = None) -> int:

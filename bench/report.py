@@ -81,6 +81,13 @@ def header(doc: dict[str, Any]) -> str:
             f"open-loop offered rates: {doc['open_rates_per_min']} requests/min")
 
 
+def rows_table(rows: list[dict[str, Any]]) -> str:
+    """A Markdown table of rows that share their keys (the keys are the columns, in order)."""
+    cols = list(rows[0])
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    return "\n".join(lines + ["| " + " | ".join(str(r[c]) for c in cols) + " |" for r in rows])
+
+
 def _best_bare(doc: dict[str, Any]) -> float:
     """The bare pipeline's best layout, averaged over its runs at the start and at the end."""
     best: dict[str, float] = {}

@@ -10,7 +10,7 @@ from flask.testing import FlaskClient
 from PIL import Image
 
 from service.app import create_app
-from service.protocols.kserve_v1 import label_scores
+from service.pipeline.postprocess import label_scores
 from service.settings import Settings
 from tests import images
 from tests.fakes import FakeFetcher, FakeModel

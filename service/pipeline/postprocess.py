@@ -49,3 +49,12 @@ def zero_shot(image: np.ndarray, label_units: np.ndarray, k: int, labels: Sequen
 def cosine(image: np.ndarray, unit: np.ndarray) -> float:
     """The cosine between an image's embedding and a unit vector (a query's)."""
     return round(float(embedding(image, normalize=True) @ unit), 6)
+
+
+def label_scores(labels: Sequence[dict[str, Any]]) -> dict[str, float]:
+    """Top-k items as TorchServe's ``{label: score}`` (KServe v1 and TorchServe answers), best first; a name
+    two classes share (ImageNet has two "crane"s) keeps its best score."""
+    scores: dict[str, float] = {}
+    for item in labels:
+        scores.setdefault(item["label"], item["score"])
+    return scores

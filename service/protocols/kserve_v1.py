@@ -24,6 +24,7 @@ from flask import Blueprint, Response, request
 
 from service import serving
 from service.errors import RequestError
+from service.pipeline import postprocess
 from service.pipeline.inputs import DEFAULT_TOP_K, ImageRef, InferenceRequest, base64_ref, check_count, load_json, string_ref
 from service.protocols.surface import Surface, flat_error_body
 from service.settings import Settings
@@ -72,15 +73,7 @@ def predictions(body: Mapping[str, Any], task: str) -> list[Any]:
     """The native rows as v1 ``predictions``: ``{label: score}`` per image, or its embedding."""
     if task == "embeddings":
         return [item["embedding"] for item in body["data"]]
-    return [label_scores(item["labels"]) for item in body["data"]]
-
-
-def label_scores(labels: list[dict[str, Any]]) -> dict[str, float]:
-    """Best first; a label name that two classes share (ImageNet has two "crane"s) keeps its best score."""
-    scores: dict[str, float] = {}
-    for item in labels:
-        scores.setdefault(item["label"], item["score"])
-    return scores
+    return [postprocess.label_scores(item["labels"]) for item in body["data"]]
 
 
 def _instances(doc: Mapping[str, Any]) -> list[Any]:

@@ -25,6 +25,7 @@ from flask import Blueprint, Response, request
 
 from service import serving
 from service.errors import MethodNotAllowed, NotFound, RequestError, UnsupportedMediaType
+from service.pipeline import postprocess
 from service.pipeline.inputs import DEFAULT_TOP_K, InferenceRequest, bytes_ref, check_count
 from service.protocols import openai
 from service.protocols.surface import Surface
@@ -79,7 +80,7 @@ def predict(name: str, version: str | None = None) -> Response:
         _check_version(name, version)
         req = parse_request(p.settings)
         body = serving.run(p, req, task)
-    answers = [item["embedding"] if task == "embeddings" else label_scores(item["labels"]) for item in body["data"]]
+    answers = [item["embedding"] if task == "embeddings" else postprocess.label_scores(item["labels"]) for item in body["data"]]
     return serving.json_response(answers[0] if len(answers) == 1 else answers)
 
 
@@ -89,14 +90,6 @@ def parse_request(settings: Settings) -> InferenceRequest:
     check_count(len(files), settings)
     refs = tuple(bytes_ref(i, filename, data, settings) for i, (filename, data) in enumerate(files))
     return InferenceRequest(refs, **_query_options(settings))
-
-
-def label_scores(labels: list[dict[str, Any]]) -> dict[str, float]:
-    """TorchServe's ``map_class_to_label``: best first; a name two classes share keeps its best score."""
-    scores: dict[str, float] = {}
-    for item in labels:
-        scores.setdefault(item["label"], item["score"])
-    return scores
 
 
 def _uploads(settings: Settings) -> list[tuple[str, bytes]]:
