@@ -11,6 +11,7 @@ import tempfile
 
 from gunicorn import systemd
 
+from service import logs
 from service.balance.board import LoadBoard, Seat
 from service.settings import Settings
 
@@ -46,6 +47,10 @@ accesslog = "-"
 access_log_format = '%(h)s "%(r)s" %(s)s %(b)s %(M)sms rid=%({x-request-id}o)s pid=%(p)s'
 errorlog = "-"
 loglevel = _settings.log_level
+# GREENSERVE_LOG_FORMAT=json: one JSON object per line; the app writes richer access lines itself
+logconfig_dict = logs.gunicorn_logconfig(_settings.log_level, _settings.log_format) or {}
+if logconfig_dict:
+    accesslog = None
 proc_name = "greenserve"
 # No gunicornc control socket: it is not used, and two instances on one host would fight over its path.
 control_socket_disable = True

@@ -17,7 +17,7 @@ import orjson
 from flask import Blueprint, Flask, Response, current_app, g, request
 from werkzeug.exceptions import HTTPException
 
-from service import metrics, openapi, protocols, serving
+from service import logs, metrics, openapi, protocols, serving
 from service.engine.model import ModelInfo
 from service.errors import ClientGone, GreenserveError, RequestError, Unauthorized, UnsupportedMediaType, from_http_status
 from service.pipeline.inputs import InferenceRequest, load_json, parse_doc, parse_form
@@ -52,15 +52,23 @@ def _finish(response: Response) -> Response:
     response.headers["X-Worker-PID"] = str(os.getpid())  # which worker answered: for balance diagnostics
     if "started" in g:  # time inside the app (parsing to JSON), for telling server time from network time
         response.headers["Server-Timing"] = f"app;dur={(time.monotonic() - g.started) * 1000:.1f}"
+    if current_app.extensions["greenserve"]["settings"].log_format == "json":  # text: gunicorn's access log
+        logs.access({"request_id": g.get("request_id", ""), "method": request.method, "route": route,
+                     "path": request.path, "status": response.status_code, "images": g.get("images", 0),
+                     "timings_ms": g.get("timings_ms", {}), "worker_pid": os.getpid(),
+                     "bytes_in": request.content_length or 0, "bytes_out": response.content_length or 0,
+                     "duration_ms": round((time.monotonic() - g.get("started", time.monotonic())) * 1000, 1),
+                     "remote_addr": request.remote_addr})
     return response
 
 
 @bp.app_errorhandler(GreenserveError)
 def handle_error(err: GreenserveError) -> Response:
+    fields = {"request_id": g.get("request_id"), "code": err.code}  # the JSON line's own fields
     if isinstance(err, ClientGone):
-        log.info("request_id=%s %s: its remaining work was stopped", g.get("request_id"), err.code)
+        log.info("request_id=%s %s: its remaining work was stopped", g.get("request_id"), err.code, extra=fields)
     elif err.status_code >= 500 and not err.headers:
-        log.error("request_id=%s %s: %s", g.get("request_id"), err.code, err.message)
+        log.error("request_id=%s %s: %s", g.get("request_id"), err.code, err.message, extra=fields)
     return error_response(err.status_code, err.to_dict(), err.headers)
 
 
@@ -80,7 +88,8 @@ def handle_http(exc: HTTPException) -> Response:
 
 @bp.app_errorhandler(Exception)
 def handle_unexpected(exc: Exception) -> Response:
-    log.exception("request_id=%s unhandled error", g.get("request_id"))
+    log.exception("request_id=%s unhandled error", g.get("request_id"),
+                  extra={"request_id": g.get("request_id"), "code": "internal_error"})
     return error_response(500, {"code": "internal_error", "message": "internal error; report the request id",
                                 "details": []}, {})
 

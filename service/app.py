@@ -32,7 +32,7 @@ def create_app(settings: Settings | None = None, *, model: Model | None = None,
     """Build the app. Without ``model`` the real one loads in the background (``/readyz`` says when);
     ``balance`` is the gunicorn worker's (``wsgi.py``), else one that only counts."""
     settings = settings or Settings.from_env()
-    logs.configure(settings.log_level)
+    logs.configure(settings.log_level, settings.log_format)
     configure_pillow(settings.max_image_pixels)
     balance = balance or Balance(None, Policy.from_settings(settings))
     runner = Runner(settings, model=model, siblings=balance,

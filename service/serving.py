@@ -55,6 +55,7 @@ def busy() -> Iterator[Parts]:
 def run(p: Parts, req: InferenceRequest, task: str, *, timeout_s: float | None = None) -> dict[str, Any]:
     """The native response body for ``task``: ``{"model", "data", "errors", "timings_ms", "request_id"}``."""
     check_task(p.runner.info, req, task)
+    g.images = len(req.refs) or len(req.text.texts)  # for the access line
     with cancel_on_hang_up(_socket(p.settings)):
         body = p.orchestrator.run(req, task, deadline=deadline(p.settings, timeout_s), request_id=g.request_id)
     _observe(body["timings_ms"])
@@ -65,6 +66,7 @@ def run_rows(p: Parts, req: InferenceRequest, tasks: tuple[str, ...], *, timeout
     """Each image's raw row (features and logits from one forward), for protocols with their own outputs."""
     for task in tasks:
         check_task(p.runner.info, req, task)
+    g.images = len(req.refs)
     with cancel_on_hang_up(_socket(p.settings)):
         rows = p.orchestrator.run_rows(req, deadline=deadline(p.settings, timeout_s), request_id=g.request_id)
     _observe(rows.timings_ms)
@@ -152,5 +154,6 @@ def _socket(settings: Settings) -> Any:
 
 
 def _observe(timings_ms: dict[str, float]) -> None:
+    g.timings_ms = timings_ms
     for stage, ms in timings_ms.items():
         metrics.STAGE_SECONDS.labels(stage).observe(ms / 1000)

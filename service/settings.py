@@ -129,8 +129,11 @@ class Settings:
                                      unit="s", parse="int", lo=10)
     graceful_timeout_s: int = _setting(30, "gunicorn graceful shutdown time for in-flight requests",
                                        unit="s", parse="int", lo=1)
-    api_token: str = _setting("", "bearer token required on /v1/* when set (empty = no auth)")
+    api_token: str = _setting("", "bearer token required when set on every protocol's inference and metadata "
+                              "routes, never on health routes (empty = no auth)")
     log_level: str = _setting("info", "debug | info | warning | error")
+    log_format: str = _setting("text", "text | json (one JSON object per line: the access lines with request id, "
+                               "route, status, images, stage timings, pid and bytes; errors with code and request id)")
 
     # ------------------------------------------------------------------ derived values
 
@@ -183,6 +186,8 @@ class Settings:
                                 "could fill the worker")
         if self.log_level not in ("debug", "info", "warning", "error"):
             raise SettingsError(f"GREENSERVE_LOG_LEVEL={self.log_level!r} is not debug/info/warning/error")
+        if self.log_format not in ("text", "json"):
+            raise SettingsError(f"GREENSERVE_LOG_FORMAT={self.log_format!r} is not text or json")
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
