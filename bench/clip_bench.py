@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import tempfile
@@ -31,8 +30,8 @@ import numpy as np
 import requests
 
 from bench import bare
-from bench.report import machine
 from bench.report import rows_table as table
+from bench.report import start
 from harness.launch import GunicornServer
 
 OUT = Path("bench/out")
@@ -197,10 +196,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default="open_clip:ViT-B-32")
     parser.add_argument("--only", nargs="+", choices=("speed", "text"), default=["speed", "text"])
     args = parser.parse_args(argv)
-    print("$ python -m bench.clip_bench " + " ".join(argv if argv is not None else sys.argv[1:]))
-    cores = len(os.sched_getaffinity(0))
-    info = machine(args.model, cores)
-    print(json.dumps(info), flush=True)
+    info = start("bench.clip_bench", args.model, argv)
+    cores = info["cores"]
     weights = bare.save_random_weights(args.model, Path(tempfile.gettempdir()) / f"{bare.slug(args.model)}-seed0.pt")
     doc: dict[str, Any] = {"machine": info}
     if "speed" in args.only:

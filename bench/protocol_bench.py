@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import base64
 import json
-import os
 import statistics
 import sys
 import tempfile
@@ -41,8 +40,8 @@ import tritonclient.http as httpclient
 
 from bench import bare
 from bench.album import ensure_album, load_album
-from bench.report import machine
 from bench.report import rows_table as table
+from bench.report import start
 from harness.imagehost import ImageHost
 from harness.launch import GunicornServer
 
@@ -118,10 +117,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default="resnet50")
     parser.add_argument("--reps", type=int, default=5)
     args = parser.parse_args(argv)
-    print("$ python -m bench.protocol_bench " + " ".join(argv if argv is not None else sys.argv[1:]))
-    cores = len(os.sched_getaffinity(0))
-    info = machine(args.model, cores)
-    print(json.dumps(info), flush=True)
+    info = start("bench.protocol_bench", args.model, argv)
+    cores = info["cores"]
     weights = bare.save_random_weights(args.model, Path(tempfile.gettempdir()) / f"{bare.slug(args.model)}-seed0.pt")
     album = load_album(ensure_album())
     with ImageHost(album) as host:

@@ -13,6 +13,7 @@ import json
 import os
 import platform
 import subprocess
+import sys
 import time
 from importlib import metadata
 from pathlib import Path
@@ -45,6 +46,14 @@ def machine(model: str, cores: int) -> dict[str, Any]:
             "python": platform.python_version(), "torch": metadata.version("torch"),
             "torchvision": metadata.version("torchvision"), "k6": k6_version.strip(), "model": model,
             "loadavg_at_start": round(os.getloadavg()[0], 2), "date": time.strftime("%Y-%m-%d %H:%M %Z")}
+
+
+def start(module: str, model: str, argv: list[str] | None) -> dict[str, Any]:
+    """A benchmark's first lines: the command that ran it and the machine (returned, ``cores`` included)."""
+    print(f"$ python -m {module} " + " ".join(argv if argv is not None else sys.argv[1:]))
+    info = machine(model, len(os.sched_getaffinity(0)))
+    print(json.dumps(info), flush=True)
+    return info
 
 
 def _git(*args: str) -> str:

@@ -198,8 +198,7 @@ def readyz() -> Response:
     runner = serving.parts().runner
     if runner.info is not None:
         return _json({"status": "ready", "pid": os.getpid(), "model": runner.info.name})
-    reason = f"model failed to load: {runner.load_error}" if runner.load_error else "model loading"
-    return _json({"status": "not_ready", "pid": os.getpid(), "reason": reason}, 503)
+    return _json({"status": "not_ready", "pid": os.getpid(), "reason": serving.not_ready_reason(runner)}, 503)
 
 
 def _json(body: dict[str, Any], status: int = 200) -> Response:

@@ -26,7 +26,7 @@ from service.pipeline.inputs import InferenceRequest
 from service.pipeline.orchestrate import Orchestrator, Rows
 from service.settings import Settings
 
-OFFLOAD_JSON_BYTES = 256 * 1024  # bodies above this are parsed in a decode thread, not on the hub
+OFFLOAD_BODY_BYTES = 256 * 1024  # bodies above this are parsed in a decode thread, not on the hub
 T = TypeVar("T")
 EMBEDDING_SUFFIX = "-embedding"  # KServe v1 / TorchServe name the embedding "model" beside the classifier
 
@@ -76,7 +76,7 @@ def run_rows(p: Parts, req: InferenceRequest, tasks: tuple[str, ...], *, timeout
 def parse_body(p: Parts, raw: bytes, parse: Callable[..., T], *args: Any) -> T:
     """``parse(raw, *args)``: a large body is parsed in a decode thread (JSON, base64 data, binary tensors
     are all O(body) work), so the hub keeps answering; a small one right here."""
-    if len(raw) > OFFLOAD_JSON_BYTES:
+    if len(raw) > OFFLOAD_BODY_BYTES:
         return p.runner.offload(parse, raw, *args)
     return parse(raw, *args)
 
@@ -126,6 +126,11 @@ def require_info(p: Parts) -> ModelInfo:
     return p.runner.info
 
 
+def not_ready_reason(runner: Runner) -> str:
+    """Why this worker is not ready: what /readyz and the protocols' readiness routes say."""
+    return f"model failed to load: {runner.load_error}" if runner.load_error else "model loading"
+
+
 def model_name(p: Parts) -> str:
     """The served model's name (``GREENSERVE_MODEL`` until it has loaded)."""
     return p.runner.info.name if p.runner.info else p.settings.model
@@ -133,7 +138,11 @@ def model_name(p: Parts) -> str:
 
 def resolve_model(p: Parts, asked: str) -> str:
     """``"classify"`` for the model's own name, ``"embeddings"`` for ``<name>-embedding``, else 404."""
-    name = model_name(p)
+    return task_for_model(model_name(p), asked)
+
+
+def task_for_model(name: str, asked: str) -> str:
+    """``resolve_model`` for a served ``name`` known without the app (a parser running in a decode thread)."""
     if asked == name:
         return "classify"
     if asked == name + EMBEDDING_SUFFIX:

@@ -77,7 +77,7 @@ def parse_doc(doc: Mapping[str, Any], settings: Settings, task: str = "embedding
     if text.texts:
         if "images" in doc:
             raise RequestError('send "images" or "texts", not both: one request embeds one kind')
-        return InferenceRequest((), **_options(doc, settings), text=text)
+        return InferenceRequest((), **request_options(doc, settings), text=text)
     images = doc.get("images")
     if not isinstance(images, list) or not images:
         raise RequestError('"images" must be a non-empty list of URLs, relative names or data: URLs')
@@ -87,7 +87,7 @@ def parse_doc(doc: Mapping[str, Any], settings: Settings, task: str = "embedding
         if not isinstance(item, str) or not item.strip():
             raise RequestError(f"images[{i}] must be a non-empty string (URL, relative name or data: URL)")
         refs.append(string_ref(i, item.strip(), settings))
-    return InferenceRequest(tuple(refs), **_options(doc, settings, task), text=text)
+    return InferenceRequest(tuple(refs), **request_options(doc, settings, task), text=text)
 
 
 def parse_form(fields: Mapping[str, str], files: Sequence[tuple[str, bytes]], settings: Settings,
@@ -103,11 +103,11 @@ def parse_form(fields: Mapping[str, str], files: Sequence[tuple[str, bytes]], se
         raise RequestError("no files in the form field 'images'; upload with -F images=@photo.jpg")
     check_count(len(files), settings)
     refs = [bytes_ref(i, filename or f"upload-{i}", data, settings) for i, (filename, data) in enumerate(files)]
-    options = {k: v if k in TEXT_FORM_FIELDS else _form_value(k, v) for k, v in fields.items()}
+    options = {k: v if k in TEXT_FORM_FIELDS else form_value(k, v) for k, v in fields.items()}
     if labels:
         options["labels"] = list(labels)
     text = parse_text_options(options, task, settings)
-    return InferenceRequest(tuple(refs), **_options(options, settings, task), text=text)
+    return InferenceRequest(tuple(refs), **request_options(options, settings, task), text=text)
 
 
 def check_count(n: int, settings: Settings) -> None:
@@ -124,15 +124,16 @@ def bytes_ref(index: int, name: str, data: bytes, settings: Settings) -> ImageRe
 
 def base64_ref(index: int, name: str, payload: str, settings: Settings) -> ImageRef:
     """Bare base64 (the KServe/TorchServe/TF Serving convention): checked against the byte cap first."""
-    err = _size_error(len(payload) * 3 // 4 - 2, settings)  # base64 inflates by 4/3
-    if err:
-        return ImageRef(index, name[:_LABEL_MAX], error=err)
-    try:
-        data = base64.b64decode(payload, validate=True)
-    except (binascii.Error, ValueError) as exc:
-        return ImageRef(index, name[:_LABEL_MAX], error=NotAnImage(
-            f"not valid base64 ({exc}); send the image's bytes base64-encoded, or a URL", code="invalid_base64"))
+    data = _decoded(payload, settings, NotAnImage, "not valid base64 ({exc}); send the image's bytes "
+                    "base64-encoded, or a URL", "invalid_base64")
+    if isinstance(data, ImageError):
+        return ImageRef(index, name[:_LABEL_MAX], error=data)
     return bytes_ref(index, name, data, settings)
+
+
+def is_reference(text: str) -> bool:
+    """A string that names an image (http(s) or data: URL) rather than carrying it as bare base64."""
+    return text[:8].lower().startswith(("http://", "https://", "data:"))
 
 
 def string_ref(index: int, item: str, settings: Settings) -> ImageRef:
@@ -160,17 +161,23 @@ def _data_ref(index: int, item: str, settings: Settings) -> ImageRef:
     if not match or not match.group("b64"):
         return ImageRef(index, label, error=ImageError(
             "malformed data: URL; use data:image/jpeg;base64,<base64 bytes>", code="invalid_data_url"))
-    payload = item[match.end():]
+    data = _decoded(item[match.end():], settings, ImageError, "the data: URL is not valid base64 ({exc})",
+                    "invalid_data_url")
+    if isinstance(data, ImageError):
+        return ImageRef(index, label, error=data)
+    return ImageRef(index, label, data=data)
+
+
+def _decoded(payload: str, settings: Settings, error: type[ImageError], message: str, code: str) -> bytes | ImageError:
+    """Base64 → bytes, or the image's error (``message`` gets the decoder's ``{exc}``)."""
     # base64 inflates by 4/3: refuse before decoding what would exceed the byte cap anyway
     err = _size_error(len(payload) * 3 // 4 - 2, settings)
     if err:
-        return ImageRef(index, label, error=err)
+        return err
     try:
-        data = base64.b64decode(payload, validate=True)
+        return base64.b64decode(payload, validate=True)
     except (binascii.Error, ValueError) as exc:
-        return ImageRef(index, label, error=ImageError(
-            f"the data: URL is not valid base64 ({exc})", code="invalid_data_url"))
-    return ImageRef(index, label, data=data)
+        return error(message.format(exc=exc), code=code)
 
 
 def _size_error(size: int, settings: Settings) -> ImageTooLarge | None:
@@ -180,7 +187,8 @@ def _size_error(size: int, settings: Settings) -> ImageTooLarge | None:
                          "smaller image or set GREENSERVE_MAX_IMAGE_BYTES")
 
 
-def _form_value(name: str, raw: str) -> Any:
+def form_value(name: str, raw: str) -> Any:
+    """A form field or query parameter: ``top_k`` a whole number, the rest booleans."""
     if name == "top_k":
         try:
             return int(raw)
@@ -194,7 +202,8 @@ def _form_value(name: str, raw: str) -> Any:
     raise RequestError(f"{name}={raw!r} is not a boolean; use true or false")
 
 
-def _options(doc: Mapping[str, Any], settings: Settings, task: str = "embeddings") -> dict[str, Any]:
+def request_options(doc: Mapping[str, Any], settings: Settings, task: str = "embeddings") -> dict[str, Any]:
+    """``top_k``, ``normalize`` and ``partial``, validated (every protocol's options go through here)."""
     # rank returns every image (ordered) unless asked for fewer
     top_k = doc.get("top_k", settings.max_top_k if task == "rank" else DEFAULT_TOP_K)
     if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= settings.max_top_k:

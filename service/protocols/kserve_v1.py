@@ -25,7 +25,16 @@ from flask import Blueprint, Response, request
 from service import serving
 from service.errors import RequestError
 from service.pipeline import postprocess
-from service.pipeline.inputs import DEFAULT_TOP_K, ImageRef, InferenceRequest, base64_ref, check_count, load_json, string_ref
+from service.pipeline.inputs import (
+    ImageRef,
+    InferenceRequest,
+    base64_ref,
+    check_count,
+    is_reference,
+    load_json,
+    request_options,
+    string_ref,
+)
 from service.protocols.surface import Surface, flat_error_body
 from service.settings import Settings
 
@@ -34,7 +43,6 @@ SURFACE = Surface("kserve_v1", re.compile(r"^/$|^/v1/models/[^/]+:predict$"), re
 
 FIELDS = ("instances", "inputs", "top_k", "normalize")
 EXAMPLE = '{"instances": [{"b64": "<base64 image bytes>"}, "https://.../a.jpg"]}'
-_REFERENCE_PREFIXES = ("data:", "http://", "https://")  # a "data" string that is a reference, not base64
 _INSTANCE_FORMS = ('an image URL, a relative name or a data: URL, {"b64": ...}, {"image": {"b64": ...}}, '
                    '{"data": "<base64>"} or {"url": ...}')
 
@@ -66,7 +74,7 @@ def parse(doc: Mapping[str, Any], settings: Settings) -> InferenceRequest:
     instances = _instances(doc)
     check_count(len(instances), settings)
     refs = tuple(_instance_ref(i, item, settings) for i, item in enumerate(instances))
-    return InferenceRequest(refs, **_options(doc, settings))
+    return InferenceRequest(refs, **request_options(doc, settings))
 
 
 def predictions(body: Mapping[str, Any], task: str) -> list[Any]:
@@ -123,7 +131,7 @@ def _b64_payload(where: str, item: Mapping[str, Any]) -> str | None:
 def _data_ref(index: int, where: str, value: Any, settings: Settings) -> ImageRef:
     if isinstance(value, str):
         text = value.strip()
-        if text[:8].lower().startswith(_REFERENCE_PREFIXES):
+        if is_reference(text):
             return string_ref(index, text, settings)
         return base64_ref(index, where, _unwrapped(text), settings)
     if isinstance(value, list):
@@ -136,13 +144,3 @@ def _data_ref(index: int, where: str, value: Any, settings: Settings) -> ImageRe
 def _unwrapped(payload: str) -> str:
     """Base64 as ``base64 photo.jpg`` prints it, wrapped at 76 columns, decodes like one line."""
     return "".join(payload.split()) if "\n" in payload else payload.strip()
-
-
-def _options(doc: Mapping[str, Any], settings: Settings) -> dict[str, Any]:
-    top_k = doc.get("top_k", DEFAULT_TOP_K)
-    if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= settings.max_top_k:
-        raise RequestError(f"top_k must be a whole number from 1 to {settings.max_top_k}; got {top_k!r}")
-    normalize = doc.get("normalize", True)
-    if not isinstance(normalize, bool):
-        raise RequestError(f"normalize must be true or false; got {normalize!r}")
-    return {"top_k": top_k, "normalize": normalize}

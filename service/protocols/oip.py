@@ -59,8 +59,7 @@ def ready() -> Response:
     runner = serving.parts().runner
     if runner.info is not None:
         return serving.json_response({"ready": True})
-    reason = f"model failed to load: {runner.load_error}" if runner.load_error else "model loading"
-    return serving.json_response({"ready": False, "error": reason}, 503)
+    return serving.json_response({"ready": False, "error": serving.not_ready_reason(runner)}, 503)
 
 
 @bp.get("/v2/models")

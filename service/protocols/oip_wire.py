@@ -21,7 +21,16 @@ import numpy as np
 from service.engine.batcher import Row
 from service.errors import RequestError
 from service.pipeline import postprocess
-from service.pipeline.inputs import ImageRef, InferenceRequest, base64_ref, bytes_ref, check_count, load_json, string_ref
+from service.pipeline.inputs import (
+    ImageRef,
+    InferenceRequest,
+    base64_ref,
+    bytes_ref,
+    check_count,
+    is_reference,
+    load_json,
+    string_ref,
+)
 from service.settings import Settings
 
 INPUT = "IMAGE"
@@ -158,8 +167,7 @@ def _json_refs(tensor: dict[str, Any], content_type: Any, settings: Settings) ->
         if not isinstance(item, str) or not item.strip():
             raise invalid(f"{INPUT}[{i}] must be a non-empty string (a URL, a data: URL or base64)")
         item = item.strip()
-        is_ref = item.lower().startswith(("http://", "https://", "data:"))
-        if content_type == "url" or (content_type is None and is_ref):
+        if content_type == "url" or (content_type is None and is_reference(item)):
             refs.append(string_ref(i, item, settings))
         else:
             refs.append(base64_ref(i, f"{INPUT}[{i}]", item, settings))

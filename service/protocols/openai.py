@@ -19,10 +19,10 @@ from typing import Any
 import numpy as np
 
 from service.engine.model import ModelInfo
-from service.errors import NotFound, RequestError
-from service.pipeline.inputs import ImageRef, InferenceRequest, base64_ref, check_count, string_ref
+from service.errors import RequestError
+from service.pipeline.inputs import ImageRef, InferenceRequest, base64_ref, check_count, is_reference, string_ref
 from service.pipeline.text_inputs import parse_text_options
-from service.serving import EMBEDDING_SUFFIX
+from service.serving import EMBEDDING_SUFFIX, task_for_model
 from service.settings import Settings
 
 FIELDS = ("model", "input", "encoding_format", "dimensions", "user", "modality", "normalize", "partial", "truncate")
@@ -49,9 +49,7 @@ def parse(doc: Mapping[str, Any], settings: Settings, info: ModelInfo | None,
         raise RequestError('send "input" (OpenAI) or "images"/"texts" (native), not both')
     if unknown:
         raise RequestError(f"unknown field(s) {', '.join(map(repr, unknown))}; allowed: {', '.join(FIELDS)}")
-    model = doc.get("model", name)
-    if model not in (name, name + EMBEDDING_SUFFIX):
-        raise NotFound(f"no model named {model!r}; use {name!r}", code="model_not_found")
+    task_for_model(name, doc.get("model", name))  # either name embeds; anything else is 404
     encoding = doc.get("encoding_format", "float")
     if encoding not in ENCODINGS:
         raise RequestError(f"encoding_format must be one of {', '.join(ENCODINGS)}; got {encoding!r}")
@@ -126,7 +124,7 @@ def _string_or_base64(index: int, key: str, value: str, settings: Settings) -> I
     """``bytes``/``b64`` are always base64; ``image`` is a URL or data: URL, else bare base64 (Jina's form)."""
     if key in ("bytes", "b64"):
         return base64_ref(index, f"input[{index}]", value, settings)
-    if key == "image" and not value.lower().startswith(("http://", "https://", "data:")):
+    if key == "image" and not is_reference(value):
         return base64_ref(index, f"input[{index}]", value, settings)
     return string_ref(index, value, settings)
 

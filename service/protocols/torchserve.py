@@ -26,7 +26,7 @@ from flask import Blueprint, Response, request
 from service import serving
 from service.errors import MethodNotAllowed, NotFound, RequestError, UnsupportedMediaType
 from service.pipeline import postprocess
-from service.pipeline.inputs import DEFAULT_TOP_K, InferenceRequest, bytes_ref, check_count
+from service.pipeline.inputs import InferenceRequest, bytes_ref, check_count, form_value, request_options
 from service.protocols import openai
 from service.protocols.surface import Surface
 from service.settings import Settings
@@ -44,7 +44,6 @@ _TYPES = {400: "BadRequestException", 401: "InvalidKeyException", 404: "Resource
           405: "MethodNotAllowedException", 413: "PayloadTooLargeException", 415: "UnsupportedMediaTypeException",
           503: "ServiceUnavailableException", 504: "RequestTimeoutException"}
 _IMAGE_STATUSES = (413, 415, 422)  # an ImagesFailed has its images' shared status (or 422)
-_TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
 
 
 def error_body(status: int, error: dict[str, Any], request_id: str) -> dict[str, Any]:
@@ -119,17 +118,8 @@ def _raw_image() -> bytes:
 
 def _query_options(settings: Settings) -> dict[str, Any]:
     """``?top_k=3`` and ``?normalize=false`` (greenserve extensions; other parameters are the handler's)."""
-    raw_k = request.args.get("top_k", str(DEFAULT_TOP_K))
-    try:
-        top_k = int(raw_k)
-    except ValueError:
-        raise RequestError(f"top_k={raw_k!r} is not a whole number") from None
-    if not 1 <= top_k <= settings.max_top_k:
-        raise RequestError(f"top_k must be a whole number from 1 to {settings.max_top_k}; got {top_k}")
-    raw_norm = request.args.get("normalize", "true").strip().lower()
-    if raw_norm not in _TRUE + _FALSE:
-        raise RequestError(f"normalize={raw_norm!r} is not a boolean; use true or false")
-    return {"top_k": top_k, "normalize": raw_norm in _TRUE}
+    given = {k: form_value(k, request.args[k]) for k in ("top_k", "normalize") if k in request.args}
+    return request_options(given, settings)
 
 
 def _check_version(name: str, version: str | None) -> None:
