@@ -54,11 +54,13 @@ def _load_model(settings: Settings, slot: int) -> Model:
     """Runs in the worker's inference thread, after fork: the first torch op of this process."""
     import torch  # imported here so the master (which imports this module's parents) never needs torch
 
+    from service.engine import precision
     from service.engine.model import load_model, resolve_device
 
     torch.set_num_threads(settings.torch_threads_per_worker())
     device = resolve_device(settings.device, slot)
     log.info("loading %s (weights=%s) on %s with %d torch thread(s)", settings.model, settings.weights,
              device, torch.get_num_threads())
-    return load_model(settings.model, settings.weights, device=device, channels_last=settings.channels_last,
-                      dtype=getattr(torch, settings.dtype))
+    model = load_model(settings.model, settings.weights, device=device, channels_last=settings.channels_last)
+    precision.settle(model, settings.dtype, cpu_bf16=settings.cpu_bf16)  # before warm-up: it warms the chosen one
+    return model

@@ -17,7 +17,8 @@ from urllib.parse import urlsplit
 
 ENV_PREFIX = "GREENSERVE_"
 WEIGHTS_MODES = ("auto", "imagenet", "random")
-DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+CPU_BF16_MODES = ("auto", "yes", "no")
 _DEVICE_RE = re.compile(r"^(cpu|auto|cuda(:\d+)?)$")
 _TAG_RE = re.compile(r"^[A-Za-z0-9][\w.-]*$")  # open_clip pretrained tags: laion2b_s34b_b79k, openai
 
@@ -58,8 +59,12 @@ class Settings:
     weights: str = _setting("auto", "auto | imagenet | random | a file (state dict, TorchScript, open_clip checkpoint) "
                             "| an open_clip pretrained tag in the local cache (laion2b_s34b_b79k)")
     device: str = _setting("auto", "cpu | cuda | cuda:N | auto (cuda when present, workers spread over GPUs)")
-    dtype: str = _setting("float32", "float32 | bfloat16 | float16: autocast dtype of the forward (bfloat16 ran resnet50 2.5x "
-                          "faster on an AMX CPU, embeddings within cosine 0.9999; see docs/BENCHMARKS.md)")
+    dtype: str = _setting("auto", "auto | float32 | bfloat16 | float16: the forward's dtype. auto: bfloat16 on a CPU "
+                          "with AMX or avx512_bf16 or a GPU of compute capability 8+ (float16 on 7.x), kept only if a "
+                          "probe batch agrees with float32 (embedding cosine >= 0.9999, same top-1), else float32; "
+                          "/v1/models says which and why. The others pin it")
+    cpu_bf16: str = _setting("auto", "auto | yes | no: whether dtype auto treats this CPU as running bfloat16 natively "
+                             "(auto: the amx_bf16 or avx512_bf16 CPU flag; yes where a VM hides the flags)")
     channels_last: bool = _setting(True, "run convnets in channels_last memory format (faster on CPU)",
                                    parse="bool")
     image_base_url: str = _setting("", "base URL that relative image names are resolved against")
@@ -180,6 +185,8 @@ class Settings:
             _check_allow_entry(entry)
         if self.dtype not in DTYPES:
             raise SettingsError(f"GREENSERVE_DTYPE={self.dtype!r} is not one of {', '.join(DTYPES)}")
+        if self.cpu_bf16 not in CPU_BF16_MODES:
+            raise SettingsError(f"GREENSERVE_CPU_BF16={self.cpu_bf16!r} is not one of {', '.join(CPU_BF16_MODES)}")
         if self.max_idle_connections >= self.worker_connections:
             raise SettingsError(f"GREENSERVE_MAX_IDLE_CONNECTIONS={self.max_idle_connections} must be below "
                                 f"GREENSERVE_WORKER_CONNECTIONS={self.worker_connections}, or idle connections "

@@ -14,13 +14,16 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import torch
 from torch import nn
 
 from service.engine.transform import Transform
+
+if TYPE_CHECKING:
+    from service.engine.precision import Precision
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +74,8 @@ class ModelInfo:
     context_length: int | None = None  # the text tower's, in tokens
     logit_scale: float = 1.0  # zero-shot: softmax(logit_scale * cosine + logit_bias)
     logit_bias: float = 0.0
+    precision: Precision | None = None  # the dtype choice and why (``precision.settle``)
+    jpeg_decode: str = "pillow"  # where JPEGs are decoded: pillow (decode threads) | device (``device_decode``)
 
     def public(self) -> dict[str, Any]:
         t = self.transform
@@ -80,7 +85,9 @@ class ModelInfo:
                "input": {"resize": t.resize_size, "crop": t.crop_size},
                "preprocessing": {"resize": t.resize_size, "crop": t.crop_size, "resize_mode": t.resize_mode,
                                  "interpolation": t.interpolation, "mean": list(t.mean), "std": list(t.std)},
-               "load_seconds": round(self.load_seconds, 3)}
+               "load_seconds": round(self.load_seconds, 3), "jpeg_decode": self.jpeg_decode}
+        if self.precision is not None:
+            out["precision"] = self.precision.public()
         if "text" in self.towers:
             out["text"] = {"context_length": self.context_length, "over_context_length": "truncate",
                            "logit_scale": round(self.logit_scale, 4), "logit_bias": round(self.logit_bias, 4)}

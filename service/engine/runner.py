@@ -101,8 +101,9 @@ class Runner:
             return
         info = self.model.info
         metrics.MODEL_LOAD_SECONDS.set(info.load_seconds)
-        log.info("model ready: %s (%s weights) on %s, embedding_dim=%s, %d labels, loaded in %.2fs",
-                 info.name, info.weights, info.device, info.embedding_dim, len(info.labels), info.load_seconds)
+        log.info("model ready: %s (%s weights) on %s in %s, embedding_dim=%s, %d labels, loaded in %.2fs",
+                 info.name, info.weights, info.device, info.dtype, info.embedding_dim, len(info.labels),
+                 info.load_seconds)
         self._ready.set()
 
     def _load_in_thread(self) -> Model:
