@@ -1,7 +1,8 @@
 """The bare pipeline, no server: the yardstick every design is quoted against, and the reference embeddings.
 
 ``python -m bench.bare --model M --weights W --album DIR --threads T --reps R [--out emb.npy]`` loads the
-model exactly as every design does (``load_model`` from the same state-dict file, channels_last), decodes
+model exactly as every design does (``load_model`` from the same state-dict file, channels_last; ``--dtype
+bfloat16`` runs the forward in bf16 autocast, as ``GREENSERVE_DTYPE=bfloat16`` does), decodes
 the album with greenserve's ``decode_and_crop`` (in T threads: Pillow drops the GIL) and runs it as one
 batch, R times after a warm-up. With ``--out`` it saves the L2-normalised embeddings (album order) as float32
 ``.npy``. It prints "ready" after the warm-up, then for each line on stdin (so the processes of a layout
@@ -27,6 +28,7 @@ from harness.launch import ROOT
 
 MAX_PIXELS = 40_000_000  # greenserve's GREENSERVE_MAX_IMAGE_PIXELS default
 READY = "ready"
+DTYPES = ("float32", "bfloat16")  # the forward's autocast dtype (float32: autocast off, as before)
 
 
 def slug(model: str) -> str:
@@ -64,12 +66,12 @@ def save_random_weights(model: str, path: Path, seed: int = 0) -> Path:
 
 
 def measure(model: str, weights: Path, album: Path, *, processes: int, threads: int, reps: int,
-            out: Path | None = None) -> dict[str, float]:
+            out: Path | None = None, dtype: str = "float32") -> dict[str, float]:
     """Bare throughput of ``processes`` × ``threads`` running at once; ``out`` gets process 0's embeddings."""
     procs = []
     for i in range(processes):
         cmd = [sys.executable, "-m", "bench.bare", "--model", model, "--weights", str(weights), "--album",
-               str(album), "--threads", str(threads), "--reps", str(reps)]
+               str(album), "--threads", str(threads), "--reps", str(reps), *_dtype_args(dtype)]
         if out is not None and i == 0:
             cmd += ["--out", str(out)]
         procs.append(subprocess.Popen(cmd, cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -96,6 +98,13 @@ def measure(model: str, weights: Path, album: Path, *, processes: int, threads: 
             "seconds_per_batch": round(max(r["seconds_per_batch"] for r in results), 3)}
 
 
+def _dtype_args(dtype: str) -> list[str]:
+    """The child's ``--dtype``, left out for float32 so the default command line stays what it was."""
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+    return [] if dtype == "float32" else ["--dtype", dtype]
+
+
 def _run(args: argparse.Namespace) -> None:
     import numpy as np
     import torch
@@ -106,7 +115,7 @@ def _run(args: argparse.Namespace) -> None:
 
     torch.set_num_threads(args.threads)
     configure_pillow(MAX_PIXELS)
-    model = load_model(args.model, str(args.weights), channels_last=True)
+    model = load_model(args.model, str(args.weights), channels_last=True, dtype=getattr(torch, args.dtype))
     model.warm_up()
     blobs = list(load_album(args.album).values())
     t = model.info.transform
@@ -136,9 +145,10 @@ class BareProcess:
     """One bare process kept warm, timed on demand: ``with BareProcess(...) as b: b.seconds_per_batch()``,
     so a benchmark can alternate bare and server measurements instead of taking them minutes apart."""
 
-    def __init__(self, model: str, weights: Path, album: Path, *, threads: int, reps: int) -> None:
+    def __init__(self, model: str, weights: Path, album: Path, *, threads: int, reps: int,
+                 dtype: str = "float32") -> None:
         self.cmd = [sys.executable, "-m", "bench.bare", "--model", model, "--weights", str(weights), "--album",
-                    str(album), "--threads", str(threads), "--reps", str(reps)]
+                    str(album), "--threads", str(threads), "--reps", str(reps), *_dtype_args(dtype)]
         self.proc: subprocess.Popen[str] | None = None
 
     def __enter__(self) -> BareProcess:
@@ -169,6 +179,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--reps", type=int, default=2)
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--dtype", choices=DTYPES, default="float32", help="autocast dtype of the forward")
     _run(parser.parse_args())
 
 

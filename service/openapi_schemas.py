@@ -162,13 +162,23 @@ def _model_card() -> Schema:
                 "logit_scale": {"type": "number"}, "logit_bias": {"type": "number"}},
                ("context_length", "over_context_length", "logit_scale", "logit_bias"))
     string = {"type": "string"}
+    dtypes = {"enum": ["float32", "bfloat16", "float16"]}
+    probe = obj({"candidate": dtypes, "images": _integer(1), "min_cosine": {"type": "number"},
+                 "top1_same": {"type": ["integer", "null"]}, "ms_float32": {"type": "number"},
+                 "ms_candidate": {"type": "number"}},
+                ("candidate", "images", "min_cosine", "top1_same", "ms_float32", "ms_candidate"))
+    precision = obj({"requested": {"enum": ["auto", "float32", "bfloat16", "float16"]}, "chosen": dtypes,
+                     "hardware": string, "reason": string, "min_cosine": {"type": "number"}, "probe": probe},
+                    ("requested", "chosen", "hardware", "reason", "min_cosine"),
+                    description="GREENSERVE_DTYPE and what it chose on this worker's hardware, and why")
     properties = {
         "id": string, "object": {"const": "model"}, "created": _integer(), "owned_by": string, "ready": {"const": True},
         "name": string, "family": string, "towers": {"type": "array", "items": {"enum": ["image", "text"]}},
         "tasks": {"type": "array", "items": {"enum": list(TASKS)}}, "embedding_dim": {"type": ["integer", "null"]},
         "labels_count": _integer(), "device": string, "dtype": string, "weights": string, "format": string,
-        "input": size, "preprocessing": preprocessing, "load_seconds": {"type": "number", "minimum": 0}, "text": text}
-    return obj(properties, [name for name in properties if name != "text"])
+        "input": size, "preprocessing": preprocessing, "load_seconds": {"type": "number", "minimum": 0}, "text": text,
+        "precision": precision, "jpeg_decode": {"enum": ["pillow", "device"]}}
+    return obj(properties, [name for name in properties if name not in ("text", "precision")])
 
 
 def _probes() -> dict[str, Schema]:
