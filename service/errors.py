@@ -20,6 +20,7 @@
     │   └── FetchError                fetch_failed, fetch_timeout, url_not_allowed, invalid_url
     ├── ImagesFailed (by its images)  the request failed because of its images (partial=false)
     ├── Overloaded (503)              overloaded, not_ready; carries Retry-After
+    │   └── OutOfMemory               out_of_memory: one image alone did not fit in the device's memory
     ├── DeadlineExceeded (504)        deadline_exceeded
     ├── ClientGone (499)              client_closed_request: the client disconnected; its work stopped
     └── InferenceFailed (500)         inference_failed: the model raised on a batch
@@ -125,6 +126,13 @@ class Overloaded(GreenserveError):
     def __init__(self, message: str, *, retry_after_s: float, code: str | None = None) -> None:
         super().__init__(message, code=code, headers={"Retry-After": str(max(1, round(retry_after_s)))})
         self.retry_after_s = retry_after_s
+
+
+class OutOfMemory(Overloaded):
+    """The model's device ran out of memory. Raised by the model's forward once its memory is released; the
+    batcher splits the batch and retries the halves, and only an image that fails alone answers this."""
+
+    code = "out_of_memory"
 
 
 class DeadlineExceeded(GreenserveError):

@@ -23,13 +23,13 @@ from gevent.event import AsyncResult, Event
 from gevent.threadpool import ThreadPool
 
 from service.engine.scheduling import Gather
-from service.errors import DeadlineExceeded, InferenceFailed
+from service.errors import DeadlineExceeded, InferenceFailed, OutOfMemory
 
 log = logging.getLogger(__name__)
 
 # Forward function: a stacked batch (uint8 (N, H, W, 3) crops, or (N, context) token ids) → (features or
-# None, logits or None), row i for item i.
-RunBatch = Callable[[np.ndarray], tuple]
+# None, logits or None) with row i for item i, or ``Outputs`` when some items got no row.
+RunBatch = Callable[[np.ndarray], "tuple | Outputs"]
 GATHER_GAP_S = 0.05  # with decode idle, a gathering batch goes once no image has arrived for this long
 GATHER_MAX_S = 2.0  # a gathering batch goes after this long whatever comes (a bound, not a tuning)
 
@@ -63,6 +63,19 @@ class Row:
     queue_s: float
     inference_s: float
     batch_size: int
+
+
+@dataclass(frozen=True)
+class Outputs:
+    """A forward's rows (row i for item i) and the items that got none, each with its reason."""
+
+    features: np.ndarray | None
+    logits: np.ndarray | None
+    failed: dict[int, Exception] = field(default_factory=dict)
+
+
+# One item's outcome from the inference thread: its (features row, logits row), or why it has none
+_Outcome = tuple[np.ndarray | None, np.ndarray | None] | Exception
 
 
 @dataclass
@@ -246,24 +259,43 @@ class Batcher:
             for item in batch:
                 item.result.set_exception(err)
             return
-        feats, logits = outcome
         seconds = time.monotonic() - started
         log.debug("batch of %d image(s) in %.3fs", len(batch), seconds)
         self.stats.record(len(batch), seconds)
-        for i, item in enumerate(batch):
-            item.result.set(Row(None if feats is None else feats[i], None if logits is None else logits[i],
-                                started - item.enqueued, seconds, len(batch)))
+        for item, row in zip(batch, outcome, strict=True):
+            if isinstance(row, Exception):
+                item.result.set_exception(row)
+            else:
+                item.result.set(Row(row[0], row[1], started - item.enqueued, seconds, len(batch)))
 
 
 def _upstream(group: Group | None) -> int:
     return group.upstream if group is not None else 0
 
 
-def _forward_stacked(run_batch: RunBatch, pixels: list[np.ndarray]) -> tuple | Exception:
-    """In the inference thread: stack, forward, hand back numpy rows (or the model's exception, which
-    the collector logs once; raising here would make gevent print it as a crashed task too)."""
+def _forward_stacked(run_batch: RunBatch, pixels: list[np.ndarray]) -> list[_Outcome] | Exception:
+    """In the inference thread: stack, forward, hand back each item's numpy rows, or the model's exception
+    (which the collector logs once; raising here would make gevent print it as a crashed task too).
+
+    A batch that runs out of device memory is split and its halves retried, down to single items; an
+    item that does not fit alone gets the ``OutOfMemory`` (503 + Retry-After) and the rest their rows."""
     try:
-        feats, logits = run_batch(np.stack(pixels))
-        return (None if feats is None else np.asarray(feats)), (None if logits is None else np.asarray(logits))
+        out = run_batch(np.stack(pixels))
+    except OutOfMemory as exc:
+        if len(pixels) == 1:
+            log.warning("out of memory on a single item: %s", exc)
+            return [exc]
+        half = len(pixels) // 2
+        log.warning("out of memory on a batch of %d: retrying it as %d + %d", len(pixels), half, len(pixels) - half)
+        first, second = _forward_stacked(run_batch, pixels[:half]), _forward_stacked(run_batch, pixels[half:])
+        if isinstance(first, Exception) or isinstance(second, Exception):
+            return first if isinstance(first, Exception) else second
+        return first + second
     except Exception as exc:
         return exc
+    if not isinstance(out, Outputs):
+        out = Outputs(*out)
+    feats = None if out.features is None else np.asarray(out.features)
+    logits = None if out.logits is None else np.asarray(out.logits)
+    return [out.failed[i] if i in out.failed else (None if feats is None else feats[i], None if logits is None else logits[i])
+            for i in range(len(pixels))]

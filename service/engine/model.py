@@ -12,7 +12,7 @@ after fork: never in the gunicorn master (libgomp and CUDA are not fork-safe).
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from service.engine.transform import Transform
+from service.errors import OutOfMemory
 
 if TYPE_CHECKING:
     from service.engine.precision import Precision
@@ -135,8 +136,7 @@ class LoadedModel:
             x = x.permute(0, 3, 1, 2).to(torch.float32).sub_(self._mean).div_(self._std)
             if not self.channels_last:
                 x = x.contiguous()
-            with autocast(self.device, self.dtype):
-                out = self.module(x)
+            out = self._guarded(self.module, x)
             if isinstance(out, tuple):
                 feats, logits = out
             else:
@@ -151,8 +151,26 @@ class LoadedModel:
     def encode_text(self, ids: np.ndarray) -> torch.Tensor:
         """One batch of token ids (N, context_length) → text embeddings. The inference thread only."""
         assert self.text is not None
-        with torch.inference_mode(), autocast(self.device, self.dtype):
-            return self.text.encode(torch.from_numpy(ids).to(self.device)).float().cpu()
+        with torch.inference_mode():
+            return self._guarded(self.text.encode, torch.from_numpy(ids).to(self.device)).float().cpu()
+
+    def _guarded(self, fn: Callable[[torch.Tensor], Any], x: torch.Tensor) -> Any:
+        """``fn(x)`` under the serving dtype; running out of device memory raises ``OutOfMemory`` once the
+        failed attempt's memory is released (the batcher then splits the batch)."""
+        try:
+            with autocast(self.device, self.dtype):
+                return fn(x)
+        except torch.OutOfMemoryError:
+            pass
+        except RuntimeError as exc:  # the CPU allocator says it with a plain RuntimeError
+            if "can't allocate memory" not in str(exc):
+                raise
+        # out of the except clause the exception, its frames and their activations are gone: only now
+        # can the CUDA cache hand their memory back
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        raise OutOfMemory(f"{self.device} ran out of memory for one image of {tuple(x.shape)}; retry shortly "
+                          "(other work may be holding the memory) or send smaller batches", retry_after_s=2)
 
     def set_threads(self, n: int) -> None:
         """torch intra-op threads for the calling (inference) thread's next forwards; CPU only."""
