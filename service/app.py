@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 
@@ -54,7 +55,7 @@ def _load_model(settings: Settings, slot: int) -> Model:
     """Runs in the worker's inference thread, after fork: the first torch op of this process."""
     import torch  # imported here so the master (which imports this module's parents) never needs torch
 
-    from service.engine import precision
+    from service.engine import device_decode, precision
     from service.engine.model import load_model, resolve_device
 
     torch.set_num_threads(settings.torch_threads_per_worker())
@@ -63,4 +64,7 @@ def _load_model(settings: Settings, slot: int) -> Model:
              device, torch.get_num_threads())
     model = load_model(settings.model, settings.weights, device=device, channels_last=settings.channels_last)
     precision.settle(model, settings.dtype, cpu_bf16=settings.cpu_bf16)  # before warm-up: it warms the chosen one
+    on_device, why = device_decode.usable(settings.jpeg_decode, device, model.info.transform)
+    model.info = dataclasses.replace(model.info, jpeg_decode="device" if on_device else "pillow")
+    log.info("JPEG decoding: %s (%s)", model.info.jpeg_decode, why)
     return model

@@ -19,6 +19,7 @@ ENV_PREFIX = "GREENSERVE_"
 WEIGHTS_MODES = ("auto", "imagenet", "random")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 CPU_BF16_MODES = ("auto", "yes", "no")
+JPEG_DECODE_MODES = ("auto", "pillow", "device")
 _DEVICE_RE = re.compile(r"^(cpu|auto|cuda(:\d+)?)$")
 _TAG_RE = re.compile(r"^[A-Za-z0-9][\w.-]*$")  # open_clip pretrained tags: laion2b_s34b_b79k, openai
 
@@ -65,6 +66,9 @@ class Settings:
                           "/v1/models says which and why. The others pin it")
     cpu_bf16: str = _setting("auto", "auto | yes | no: whether dtype auto treats this CPU as running bfloat16 natively "
                              "(auto: the amx_bf16 or avx512_bf16 CPU flag; yes where a VM hides the flags)")
+    jpeg_decode: str = _setting("auto", "auto | pillow | device: where JPEGs are decoded. device: in batches on the model's "
+                                "device in its inference thread (nvJPEG on CUDA), resized and cropped there, Pillow "
+                                "for other formats and any JPEG it cannot decode; auto = device on CUDA, pillow on CPU")
     channels_last: bool = _setting(True, "run convnets in channels_last memory format (faster on CPU)",
                                    parse="bool")
     image_base_url: str = _setting("", "base URL that relative image names are resolved against")
@@ -185,6 +189,9 @@ class Settings:
             _check_allow_entry(entry)
         if self.dtype not in DTYPES:
             raise SettingsError(f"GREENSERVE_DTYPE={self.dtype!r} is not one of {', '.join(DTYPES)}")
+        if self.jpeg_decode not in JPEG_DECODE_MODES:
+            raise SettingsError(f"GREENSERVE_JPEG_DECODE={self.jpeg_decode!r} is not one of "
+                                f"{', '.join(JPEG_DECODE_MODES)}")
         if self.cpu_bf16 not in CPU_BF16_MODES:
             raise SettingsError(f"GREENSERVE_CPU_BF16={self.cpu_bf16!r} is not one of {', '.join(CPU_BF16_MODES)}")
         if self.max_idle_connections >= self.worker_connections:

@@ -15,7 +15,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import gevent
 import numpy as np
@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 
 # Forward function: a stacked batch (uint8 (N, H, W, 3) crops, or (N, context) token ids) → (features or
 # None, logits or None) with row i for item i, or ``Outputs`` when some items got no row.
-RunBatch = Callable[[np.ndarray], "tuple | Outputs"]
+RunBatch = Callable[[Any], "tuple | Outputs"]
 GATHER_GAP_S = 0.05  # with decode idle, a gathering batch goes once no image has arrived for this long
 GATHER_MAX_S = 2.0  # a gathering batch goes after this long whatever comes (a bound, not a tuning)
 
@@ -80,7 +80,7 @@ _Outcome = tuple[np.ndarray | None, np.ndarray | None] | Exception
 
 @dataclass
 class _Item:
-    pixels: np.ndarray
+    pixels: Any  # a crop (H, W, 3), token ids, or a JPEG for the device (``device_decode.EncodedJpeg``)
     deadline: float | None
     group: Group | None = None
     rank: tuple[float, int] = (0.0, 0)  # (the request's arrival, the image's submission order)
@@ -139,7 +139,7 @@ class Batcher:
             self._loop.kill()
             self._loop = None
 
-    def submit(self, pixels: np.ndarray, deadline: float | None = None, group: Group | None = None,
+    def submit(self, pixels: Any, deadline: float | None = None, group: Group | None = None,
                arrived: float | None = None) -> AsyncResult:
         """Queue one image of request ``group`` (which ``arrived`` at that monotonic time; now if not given);
         ``.get()`` the result to wait for its ``Row``."""
@@ -273,14 +273,20 @@ def _upstream(group: Group | None) -> int:
     return group.upstream if group is not None else 0
 
 
-def _forward_stacked(run_batch: RunBatch, pixels: list[np.ndarray]) -> list[_Outcome] | Exception:
+def _stacked(items: list[Any]) -> Any:
+    """Crops or token ids stacked into one array; a batch holding JPEGs for the device stays a list
+    (``LoadedModel.forward_items``)."""
+    return np.stack(items) if all(isinstance(item, np.ndarray) for item in items) else items
+
+
+def _forward_stacked(run_batch: RunBatch, pixels: list[Any]) -> list[_Outcome] | Exception:
     """In the inference thread: stack, forward, hand back each item's numpy rows, or the model's exception
     (which the collector logs once; raising here would make gevent print it as a crashed task too).
 
     A batch that runs out of device memory is split and its halves retried, down to single items; an
     item that does not fit alone gets the ``OutOfMemory`` (503 + Retry-After) and the rest their rows."""
     try:
-        out = run_batch(np.stack(pixels))
+        out = run_batch(_stacked(pixels))
     except OutOfMemory as exc:
         if len(pixels) == 1:
             log.warning("out of memory on a single item: %s", exc)

@@ -14,12 +14,14 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import numpy as np
 import torch
 from torch import nn
 
+from service.engine import device_decode
+from service.engine.device_decode import EncodedJpeg
 from service.engine.transform import Transform
 from service.errors import OutOfMemory
 
@@ -129,19 +131,51 @@ class LoadedModel:
     def forward(self, batch: np.ndarray) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Run one batch of uint8 crops (N, H, W, 3). Call from the inference thread only."""
         with torch.inference_mode():
-            x = torch.from_numpy(batch)
-            if self.device.type == "cuda":
-                x = x.pin_memory().to(self.device, non_blocking=True)
-            # NHWC memory viewed as NCHW *is* channels_last: no copy for convnets
-            x = x.permute(0, 3, 1, 2).to(torch.float32).sub_(self._mean).div_(self._std)
-            if not self.channels_last:
-                x = x.contiguous()
-            out = self._guarded(self.module, x)
-            if isinstance(out, tuple):
-                feats, logits = out
-            else:
-                feats, logits = (out, None) if self.features_only else (None, out)
-            return _cpu(feats), _cpu(logits)
+            return self._run(self._upload(batch))
+
+    def forward_items(self, items: Sequence[np.ndarray | EncodedJpeg]
+                      ) -> tuple[torch.Tensor | None, torch.Tensor | None, dict[int, Exception]]:
+        """One batch mixing Pillow's crops (H, W, 3) and JPEGs to decode on the device (``device_decode``):
+        rows in item order, zeros for the items in the third value, which the device could not decode."""
+        with torch.inference_mode():
+            at = [i for i, item in enumerate(items) if isinstance(item, EncodedJpeg)]
+            decoded, failed = device_decode.crops([cast(EncodedJpeg, items[i]) for i in at], self.info.transform,
+                                                  self.device)
+            chw: list[torch.Tensor | None] = [None] * len(items)
+            for k, i in enumerate(at):
+                chw[i] = decoded[k]
+            arrays = [i for i, item in enumerate(items) if isinstance(item, np.ndarray)]
+            if arrays:
+                uploaded = self._upload(np.stack([cast(np.ndarray, items[i]) for i in arrays]))
+                for k, i in enumerate(arrays):
+                    chw[i] = uploaded[k]
+            kept = [i for i, t in enumerate(chw) if t is not None]
+            failed = {at[k]: err for k, err in failed.items()}
+            if not kept:
+                return None, None, failed
+            feats, logits = self._run(torch.stack([cast(torch.Tensor, chw[i]) for i in kept]))
+            return _scatter(feats, kept, len(items)), _scatter(logits, kept, len(items)), failed
+
+    def _upload(self, batch: np.ndarray) -> torch.Tensor:
+        """uint8 (N, H, W, 3) crops → (N, 3, H, W) on the device; NHWC memory viewed as NCHW *is*
+        channels_last: no copy for convnets."""
+        x = torch.from_numpy(batch)
+        if self.device.type == "cuda":
+            x = x.pin_memory().to(self.device, non_blocking=True)
+        return x.permute(0, 3, 1, 2)
+
+    def _run(self, x: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        x = x.to(torch.float32).sub_(self._mean).div_(self._std)
+        if not self.channels_last:
+            x = x.contiguous()
+        elif not x.is_contiguous(memory_format=torch.channels_last):
+            x = x.contiguous(memory_format=torch.channels_last)  # the device decoder's stacked NCHW crops
+        out = self._guarded(self.module, x)
+        if isinstance(out, tuple):
+            feats, logits = out
+        else:
+            feats, logits = (out, None) if self.features_only else (None, out)
+        return _cpu(feats), _cpu(logits)
 
     def tokenize(self, texts: Sequence[str]) -> Tokens:
         """Texts → token ids (a decode thread); only for models with a text tower."""
@@ -187,6 +221,15 @@ class LoadedModel:
 
 def _cpu(t: torch.Tensor | None) -> torch.Tensor | None:
     return None if t is None else t.float().flatten(1).cpu()
+
+
+def _scatter(rows: torch.Tensor | None, kept: list[int], n: int) -> torch.Tensor | None:
+    """``rows`` (one per kept item) placed at the kept items' positions among ``n``, zeros elsewhere."""
+    if rows is None or len(kept) == n:
+        return rows
+    out = torch.zeros((n, *rows.shape[1:]), dtype=rows.dtype)
+    out[kept] = rows
+    return out
 
 
 def load_model(name: str, weights: str, *, device: torch.device | None = None, channels_last: bool = True,

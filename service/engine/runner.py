@@ -26,7 +26,8 @@ from gevent.event import AsyncResult, Event
 from gevent.threadpool import ThreadPool
 
 from service import metrics
-from service.engine.batcher import Batcher
+from service.engine.batcher import Batcher, Outputs
+from service.engine.device_decode import EncodedJpeg
 from service.engine.model import ModelInfo, Tokens
 from service.engine.scheduling import Admission, Rank, Scheduler
 from service.engine.threads import Siblings, ThreadPlan, lower_priority
@@ -45,6 +46,12 @@ class Model(Protocol):
     def forward(self, batch: np.ndarray) -> tuple[Any, Any]: ...
 
     def warm_up(self) -> None: ...
+
+
+class DeviceDecodingModel(Model, Protocol):
+    """A model that decodes JPEGs on its device (``info.jpeg_decode == "device"``)."""
+
+    def forward_items(self, items: Sequence[np.ndarray | EncodedJpeg]) -> tuple[Any, Any, dict[int, Exception]]: ...
 
 
 class TextModel(Model, Protocol):
@@ -144,7 +151,7 @@ class Runner:
             raise outcome.error
         return outcome
 
-    def infer(self, pixels: np.ndarray, deadline: float | None, admission: Admission) -> AsyncResult:
+    def infer(self, pixels: np.ndarray | EncodedJpeg, deadline: float | None, admission: Admission) -> AsyncResult:
         return self.batcher.submit(pixels, deadline, admission, admission.arrived)
 
     def tokenize(self, texts: Sequence[str], *, rank: Rank | None = None) -> Tokens:
@@ -166,11 +173,13 @@ class Runner:
         self.threads.apply(model)
         return model.encode_text(ids), None
 
-    def _forward(self, batch: np.ndarray) -> tuple[Any, Any]:
+    def _forward(self, batch: np.ndarray | list[np.ndarray | EncodedJpeg]) -> tuple[Any, Any] | Outputs:
         assert self.model is not None and threading.current_thread() is not threading.main_thread()
         lower_priority(self._inference_nice)
         self.threads.apply(self.model)
-        return self.model.forward(batch)
+        if isinstance(batch, np.ndarray):
+            return self.model.forward(batch)
+        return Outputs(*cast(DeviceDecodingModel, self.model).forward_items(batch))  # JPEGs for the device
 
 
 class _Raised:

@@ -20,3 +20,12 @@ class Transform:
     std: tuple[float, float, float] = IMAGENET_STD
     interpolation: str = "bilinear"
     resize_mode: str = "shortest"  # shortest side to resize_size, then centre crop | squash: whole image to crop
+
+    def crop_box(self, width: int, height: int) -> tuple[float, float, float, float]:
+        """The source region (left, top, right, bottom) that resizing the shorter side to ``resize_size`` and
+        centre-cropping ``crop_size`` keeps; the whole image for ``squash``."""
+        if self.resize_mode == "squash":
+            return 0.0, 0.0, float(width), float(height)
+        half = self.crop_size / (self.resize_size / min(width, height)) / 2
+        cx, cy = width / 2, height / 2
+        return max(0.0, cx - half), max(0.0, cy - half), min(float(width), cx + half), min(float(height), cy + half)

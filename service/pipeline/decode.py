@@ -15,6 +15,7 @@ import warnings
 import numpy as np
 from PIL import Image, ImageFile, ImageOps, UnidentifiedImageError
 
+from service.engine.device_decode import EncodedJpeg
 from service.errors import ImageTooLarge, NotAnImage, UnsupportedImage
 
 log = logging.getLogger(__name__)
@@ -27,6 +28,7 @@ _REFUSED_MAGIC = (
     (b"\x00\x00\x00\x0cjP  ", "JPEG 2000"), (b"\xffO\xffQ", "JPEG 2000"), (b"SIMPLE  =", "FITS"),
     (b"\x00\x00\x01\x00", "ICO"), (b"icns", "ICNS"), (b"%PDF", "PDF"), (b"qoif", "QOI"), (b"DDS ", "DDS"),
 )
+ORIENTATION_TAG = 0x0112
 _FTYP_BRANDS = {b"heic": "HEIC", b"heix": "HEIC", b"mif1": "HEIF", b"avif": "AVIF", b"avis": "AVIF"}
 
 
@@ -44,14 +46,7 @@ def decode_image(data: bytes, *, max_pixels: int, draft_size: int | None = None)
     ``draft_size`` is the shortest side the caller will resize to; JPEGs are decoded at the smallest
     libjpeg scale that still covers it.
     """
-    if not data:
-        raise NotAnImage("the image is empty (0 bytes)", code="empty_image")
-    img = _open(data)
-    width, height = img.size
-    if width * height > max_pixels:
-        raise ImageTooLarge(f"image is {width}x{height} = {width * height / 1e6:.1f} MP; the limit is "
-                            f"{max_pixels / 1e6:.1f} MP. Send a smaller image or set "
-                            "GREENSERVE_MAX_IMAGE_PIXELS to raise it")
+    img = _open_checked(data, max_pixels)
     if draft_size and img.format in ("JPEG", "MPO"):
         img.draft("RGB", (draft_size, draft_size))
     # Hand the decoder all the bytes in one call instead of Pillow's 64 KB blocks: it drops the GIL
@@ -67,6 +62,40 @@ def decode_image(data: bytes, *, max_pixels: int, draft_size: int | None = None)
         raise NotAnImage(f"the {img.format} data is corrupt ({exc})", code="invalid_image") from exc
     img = _upright(img)
     return to_rgb(img)
+
+
+def jpeg_for_device(data: bytes, *, max_pixels: int) -> EncodedJpeg | None:
+    """The checks ``decode_image`` makes before decoding (allow-list, pixel limit from the header), then,
+    for a complete RGB or greyscale JPEG, its bytes and EXIF orientation for the device to decode; None
+    for anything else (CMYK, another format, no end marker): Pillow decodes those."""
+    img = _open_checked(data, max_pixels)
+    if img.format not in ("JPEG", "MPO") or img.mode not in ("RGB", "L"):
+        return None
+    # a cut-off file goes to Pillow, which names it truncated_image (a device decoder may fill it in grey)
+    if not data.rstrip(b"\x00\r\n ").endswith(b"\xff\xd9"):
+        return None
+    return EncodedJpeg(np.frombuffer(data, np.uint8).copy(), _orientation(img))
+
+
+def _open_checked(data: bytes, max_pixels: int) -> Image.Image:
+    if not data:
+        raise NotAnImage("the image is empty (0 bytes)", code="empty_image")
+    img = _open(data)
+    width, height = img.size
+    if width * height > max_pixels:
+        raise ImageTooLarge(f"image is {width}x{height} = {width * height / 1e6:.1f} MP; the limit is "
+                            f"{max_pixels / 1e6:.1f} MP. Send a smaller image or set "
+                            "GREENSERVE_MAX_IMAGE_PIXELS to raise it")
+    return img
+
+
+def _orientation(img: Image.Image) -> int:
+    try:
+        value = img.getexif().get(ORIENTATION_TAG, 1)
+    except (OSError, SyntaxError, ValueError, KeyError, TypeError) as exc:
+        log.info("ignoring unreadable EXIF orientation: %s", exc)  # as ``_upright`` does
+        return 1
+    return value if isinstance(value, int) and 1 <= value <= 8 else 1
 
 
 def _open(data: bytes) -> Image.Image:

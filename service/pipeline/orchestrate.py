@@ -16,6 +16,7 @@ request; stages overlap (image 2 is fetched while image 1 is decoded), so they n
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -26,17 +27,20 @@ import gevent.pool
 import numpy as np
 
 from service.engine.batcher import Row
+from service.engine.device_decode import DeviceDecodeFailed, EncodedJpeg
 from service.engine.model import ModelInfo
 from service.engine.runner import Runner
 from service.engine.scheduling import Admission
 from service.engine.transform import Transform
 from service.errors import DeadlineExceeded, ImageError, ImagesFailed, image_error_item
 from service.pipeline import postprocess
-from service.pipeline.decode import decode_image
+from service.pipeline.decode import decode_image, jpeg_for_device
 from service.pipeline.fetch import Fetcher
 from service.pipeline.inputs import ImageRef, InferenceRequest
 from service.pipeline.preprocess import preprocess
 from service.pipeline.texts import TextEncoder
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -100,6 +104,13 @@ class _Work:
 def decode_and_crop(data: bytes, transform: Transform, max_pixels: int) -> np.ndarray:
     """Runs in a decode thread: safe decode (JPEG draft at the resize size) then resize + crop."""
     return preprocess(decode_image(data, max_pixels=max_pixels, draft_size=transform.resize_size), transform)
+
+
+def checked_for_device(data: bytes, transform: Transform, max_pixels: int) -> np.ndarray | EncodedJpeg:
+    """Runs in a decode thread when the model decodes JPEGs on its device: a JPEG that passes the header
+    checks goes on encoded; anything else is decoded and cropped here, as without device decoding."""
+    jpeg = jpeg_for_device(data, max_pixels=max_pixels)
+    return jpeg if jpeg is not None else decode_and_crop(data, transform, max_pixels)
 
 
 class Orchestrator:
@@ -195,23 +206,36 @@ class Orchestrator:
             try:
                 pixels = self._decode(ref, data, work)
             except ImageError as err:
-                work.outcomes[ref.index] = err
-                if not req.partial:
-                    work.abort()
-                return
+                return self._unusable(req, ref, err, work)
             result = self.runner.infer(pixels, work.deadline, work.admission)  # no yield before the exit
-        row: Row = result.get()
+        try:
+            row: Row = result.get()
+        except DeviceDecodeFailed as failure:  # rare: Pillow decodes it, and names what is wrong if anything
+            log.info("image %d of a request: %s; decoding it with Pillow", ref.index, failure)
+            try:
+                pixels = self._decode(ref, data, work, pillow=True)
+            except ImageError as err:
+                return self._unusable(req, ref, err, work)
+            row = self.runner.infer(pixels, work.deadline, work.admission).get()
         work.outcomes[ref.index] = row
         end = time.monotonic()
         work.spans.add("queue", end - row.inference_s - row.queue_s, end - row.inference_s)
         work.spans.add("inference", end - row.inference_s, end)
 
-    def _decode(self, ref: ImageRef, data: bytes | ImageError, work: _Work) -> np.ndarray:
+    @staticmethod
+    def _unusable(req: InferenceRequest, ref: ImageRef, err: ImageError, work: _Work) -> None:
+        work.outcomes[ref.index] = err
+        if not req.partial:
+            work.abort()
+
+    def _decode(self, ref: ImageRef, data: bytes | ImageError, work: _Work, *,
+                pillow: bool = False) -> np.ndarray | EncodedJpeg:
         if isinstance(data, ImageError):  # the fetch failed
             raise data
         t0 = time.monotonic()
+        decode = checked_for_device if work.info.jpeg_decode == "device" and not pillow else decode_and_crop
         try:
-            return self.runner.offload(decode_and_crop, data, work.info.transform, self.max_pixels,
+            return self.runner.offload(decode, data, work.info.transform, self.max_pixels,
                                        rank=work.admission.rank(ref.index))
         finally:
             work.spans.add("decode", t0, time.monotonic())

@@ -28,10 +28,6 @@ def preprocess(img: Image.Image, t: Transform) -> np.ndarray:
         return np.asarray(out, dtype=np.uint8)
     scale = t.resize_size / min(w, h)
     # the centre crop, expressed in source pixels, resized straight to crop x crop
-    half_w = t.crop_size / scale / 2
-    half_h = t.crop_size / scale / 2
-    cx, cy = w / 2, h / 2
-    box = (max(0.0, cx - half_w), max(0.0, cy - half_h), min(float(w), cx + half_w), min(float(h), cy + half_h))
-    out = img.resize((t.crop_size, t.crop_size), _RESAMPLE[t.interpolation], box=box,
+    out = img.resize((t.crop_size, t.crop_size), _RESAMPLE[t.interpolation], box=t.crop_box(w, h),
                      reducing_gap=REDUCING_GAP if scale < 1 / REDUCING_GAP else None)
     return np.asarray(out, dtype=np.uint8)
