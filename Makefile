@@ -6,13 +6,14 @@ BIN    := $(VENV)/bin
 TORCH_PINS := torch==2.14.1 torchvision==0.29.1
 STAMP  := $(VENV)/.installed
 
-.PHONY: serve test lint compare clean help readme nginx
+.PHONY: serve test lint compare dtype clean help readme nginx
 
 help:
 	@echo "make serve    create .venv, install, start gunicorn -k gevent on \$$GREENSERVE_BIND (127.0.0.1:8000)"
 	@echo "make test     create .venv, install, run the test suite"
 	@echo "make lint     ruff (lint + import order) and mypy on service/"
 	@echo "make compare  gevent vs asyncio comparison (QUICK=1 for a short run; MODEL=open_clip:ViT-B-32 for CLIP)"
+	@echo "make dtype    float32 vs bfloat16, bare and served with GREENSERVE_DTYPE=auto/float32 (QUICK=1, MODEL=, DTYPES=auto,float32, BF16=1 adds a pinned bfloat16 server)"
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -45,6 +46,9 @@ lint: $(STAMP)
 
 compare: $(STAMP)
 	$(BIN)/python -m bench.compare $(if $(QUICK),--quick,) $(if $(MODEL),--model $(MODEL),)
+
+dtype: $(STAMP)
+	$(BIN)/python -m bench.dtype_bench $(if $(QUICK),--quick,) $(if $(MODEL),--model $(MODEL),) $(if $(DTYPES),--dtypes $(DTYPES),) $(if $(BF16),--with-pinned-bf16,)
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache

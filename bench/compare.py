@@ -42,7 +42,10 @@ DOCS_DIR = ROOT / "docs"
 # (16 x 30 images) on one worker (at the default 256 the 9th request gets 503 + Retry-After at once), and
 # give requests k6's 300 s instead of the 60 s deadline (504), so every design serves every request.
 READY_TIMEOUT_S = 300.0  # all designs load their models at once on a shared machine
-GREENSERVE_LIMITS = {"GREENSERVE_MAX_QUEUE_IMAGES": "512", "GREENSERVE_REQUEST_TIMEOUT_S": "300"}
+# And float32, as the asyncio apps run: this compares scheduling at equal numerics (on a CPU with native
+# bfloat16 the default would serve bfloat16); bench.dtype_bench measures the default dtype.
+GREENSERVE_LIMITS = {"GREENSERVE_MAX_QUEUE_IMAGES": "512", "GREENSERVE_REQUEST_TIMEOUT_S": "300",
+                     "GREENSERVE_DTYPE": "float32"}
 
 
 @dataclass(frozen=True)

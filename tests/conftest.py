@@ -49,7 +49,10 @@ def image_host(album: dict[str, bytes]) -> Iterator[ImageHost]:
 
 
 def e2e_env(weights_file: Path, image_host: ImageHost, **extra: str) -> dict[str, str]:
-    env = {"GREENSERVE_MODEL": E2E_MODEL, "GREENSERVE_WEIGHTS": str(weights_file),
+    """A server's environment. The dtype is pinned to float32: these servers are checked against each
+    other's routes and against float32 references to 1e-6, and on a CPU with native bfloat16 the default
+    (auto) would serve bfloat16. ``tests/test_e2e_precision_decode.py`` runs the default."""
+    env = {"GREENSERVE_MODEL": E2E_MODEL, "GREENSERVE_WEIGHTS": str(weights_file), "GREENSERVE_DTYPE": "float32",
            "GREENSERVE_IMAGE_BASE_URL": image_host.base_url, "GREENSERVE_MAX_IMAGES": "40",
            "GREENSERVE_MAX_BODY_BYTES": str(8 * 1024 * 1024), "GREENSERVE_MAX_IMAGE_PIXELS": "30000000",
            "GREENSERVE_FETCH_TIMEOUT_S": "2", "GREENSERVE_LOG_LEVEL": "info"}

@@ -1,6 +1,7 @@
 """The dtype choice and device JPEG decoding under real gunicorn -k gevent, against the float32 + Pillow server.
 
-This CPU has no native bfloat16, so the default (``auto``) serves float32 and says why; with
+The other e2e servers pin float32 (``conftest.e2e_env``). This CPU has no native bfloat16, so the default
+(``auto``) serves float32 here and says why; with
 ``GREENSERVE_CPU_BF16=yes`` the same worker probes bfloat16 and serves it, and with
 ``GREENSERVE_JPEG_DECODE=device`` its JPEGs take the device path (the CPU's decoder here, nvJPEG on CUDA)."""
 
@@ -25,8 +26,15 @@ HOSTILE = {"truncated.jpg": "truncated_image", "page.jpg": "not_an_image", "bomb
 
 
 @pytest.fixture(scope="module")
+def default(weights_file: Path, image_host: ImageHost) -> Iterator[GunicornServer]:
+    with GunicornServer(e2e_env(weights_file, image_host, GREENSERVE_DTYPE="auto"), workers=1) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
 def low(weights_file: Path, image_host: ImageHost) -> Iterator[GunicornServer]:
-    env = e2e_env(weights_file, image_host, GREENSERVE_CPU_BF16="yes", GREENSERVE_JPEG_DECODE="device")
+    env = e2e_env(weights_file, image_host, GREENSERVE_DTYPE="auto", GREENSERVE_CPU_BF16="yes",
+                  GREENSERVE_JPEG_DECODE="device")
     with GunicornServer(env, workers=1) as srv:
         yield srv
 
@@ -41,13 +49,14 @@ def embeddings(srv: GunicornServer, names: list[str]) -> np.ndarray:
     return np.array([d["embedding"] for d in r.json()["data"]])
 
 
-def test_the_default_says_which_dtype_it_chose_and_why(server: GunicornServer) -> None:
-    info = card(server)
+def test_the_default_says_which_dtype_it_chose_and_why(default: GunicornServer, server: GunicornServer) -> None:
+    assert card(server)["precision"]["reason"] == "pinned by GREENSERVE_DTYPE"  # the other e2e servers
+    info = card(default)
     assert info["precision"]["requested"] == "auto" and info["jpeg_decode"] == "pillow"
     if not precision.cpu_flags() & set(precision.CPU_BF16_FLAGS):  # this machine kind: avx2 only
         assert info["dtype"] == info["precision"]["chosen"] == "float32"
         assert "no native bfloat16" in info["precision"]["reason"] and "probe" not in info["precision"]
-    log = server.log()
+    log = default.log()
     assert f"serving in {info['dtype']} (GREENSERVE_DTYPE=auto): " in log
     assert "JPEG decoding: pillow (the model is on cpu" in log
 
