@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 TORCH_PINS := torch==2.14.1 torchvision==0.29.1
 STAMP  := $(VENV)/.installed
 
-.PHONY: serve test lint compare dtype clean help readme nginx
+.PHONY: serve test lint compare dtype gpu-wheels clean help readme nginx
 
 help:
 	@echo "make serve    create .venv, install, start gunicorn -k gevent on \$$GREENSERVE_BIND (127.0.0.1:8000)"
@@ -49,6 +49,14 @@ compare: $(STAMP)
 
 dtype: $(STAMP)
 	$(BIN)/python -m bench.dtype_bench $(if $(QUICK),--quick,) $(if $(MODEL),--model $(MODEL),) $(if $(DTYPES),--dtypes $(DTYPES),) $(if $(BF16),--with-pinned-bf16,)
+
+# The device machine has its own python3 with torch, torchvision, numpy, Pillow, requests and prometheus-client
+# but no registry: the server's other packages travel as wheels (run's carry: bench/out/gpu-wheels), see
+# bench/gpu_check.py.
+GPU_WHEELS := flask>=3.0,<4 gunicorn>=23,<28 gevent>=24.2,<27 orjson>=3.9,<4 python-json-logger>=3.1,<5
+gpu-wheels: $(STAMP)
+	$(BIN)/pip download -q --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 \
+		--platform manylinux_2_28_x86_64 -d bench/out/gpu-wheels $(foreach w,$(GPU_WHEELS),'$(w)')
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache
