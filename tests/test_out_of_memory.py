@@ -14,7 +14,7 @@ from gevent.threadpool import ThreadPool
 from torch import nn
 
 from service.app import create_app
-from service.engine.batcher import Batcher, Row
+from service.engine.batcher import Batcher, Outputs, Row
 from service.engine.model import LoadedModel, ModelInfo
 from service.engine.transform import Transform
 from service.errors import OutOfMemory
@@ -114,3 +114,30 @@ def test_over_http_the_hopeless_image_is_503_with_retry_after_and_the_worker_ans
     assert r.json["error"]["code"] == "out_of_memory" and "ran out of memory" in r.json["error"]["message"]
     ok = client.post("/v1/embeddings", json={"images": ["g10.png", "g100.png"]})  # split to 1 + 1, both fit
     assert ok.status_code == 200 and len(ok.json["data"]) == 2
+
+
+def test_decoding_on_the_device_out_of_memory_splits_the_batch_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    from service.engine import device_decode
+    from service.pipeline.decode import configure_pillow, jpeg_for_device
+    from tests import images
+
+    configure_pillow(40_000_000)
+    real, calls = device_decode._decode, []
+
+    def tight(tensors: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+        calls.append(len(tensors))
+        if len(tensors) > 2:  # as nvJPEG runs out of device memory for a batch of big photos
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.5 GiB")
+        return real(tensors, device)
+
+    monkeypatch.setattr(device_decode, "_decode", tight)
+    model = loaded(Greedy(fits=99))
+    jpegs = [jpeg_for_device(images.jpeg(64, 48, seed=i), max_pixels=10**6) for i in range(4)]
+    b = Batcher(lambda batch: Outputs(*model.forward_items(batch)), ThreadPool(1), max_batch=4, max_wait_s=0.05)
+    results = [b.submit(j) for j in jpegs]
+    b.start()
+    try:
+        rows = [r.get(timeout=30) for r in results]
+    finally:
+        b.stop()
+    assert calls == [4, 2, 2] and all(isinstance(r, Row) for r in rows)

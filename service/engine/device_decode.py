@@ -71,11 +71,15 @@ def crops(jpegs: Sequence[EncodedJpeg], transform: Transform, device: torch.devi
     failed: dict[int, Exception] = {}
     try:
         images: list[torch.Tensor | None] = list(_decode(tensors, device))
+    except torch.OutOfMemoryError:
+        raise  # the batcher splits the batch: fewer JPEGs per call
     except RuntimeError:  # one bad file fails the batch call: find it
         images = []
         for i, t in enumerate(tensors):
             try:
                 images.append(_decode([t], device)[0])
+            except torch.OutOfMemoryError:
+                raise
             except RuntimeError as exc:
                 images.append(None)
                 failed[i] = DeviceDecodeFailed(f"{device} could not decode this JPEG ({str(exc)[:200]})")

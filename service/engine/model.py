@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol, cast
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast
 
 import numpy as np
 import torch
@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from service.engine.precision import Precision
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 FAMILIES = ("torchvision", "open_clip", "timm")
 RANDOM_SEED = 0  # random weights are seeded so every worker serves the same (meaningless) model
@@ -131,30 +132,34 @@ class LoadedModel:
     def forward(self, batch: np.ndarray) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Run one batch of uint8 crops (N, H, W, 3). Call from the inference thread only."""
         with torch.inference_mode():
-            return self._run(self._upload(batch))
+            return self._guarded(lambda: self._run(self._upload(batch)))
 
     def forward_items(self, items: Sequence[np.ndarray | EncodedJpeg]
                       ) -> tuple[torch.Tensor | None, torch.Tensor | None, dict[int, Exception]]:
         """One batch mixing Pillow's crops (H, W, 3) and JPEGs to decode on the device (``device_decode``):
         rows in item order, zeros for the items in the third value, which the device could not decode."""
         with torch.inference_mode():
-            at = [i for i, item in enumerate(items) if isinstance(item, EncodedJpeg)]
-            decoded, failed = device_decode.crops([cast(EncodedJpeg, items[i]) for i in at], self.info.transform,
-                                                  self.device)
-            chw: list[torch.Tensor | None] = [None] * len(items)
-            for k, i in enumerate(at):
-                chw[i] = decoded[k]
-            arrays = [i for i, item in enumerate(items) if isinstance(item, np.ndarray)]
-            if arrays:
-                uploaded = self._upload(np.stack([cast(np.ndarray, items[i]) for i in arrays]))
-                for k, i in enumerate(arrays):
-                    chw[i] = uploaded[k]
-            kept = [i for i, t in enumerate(chw) if t is not None]
-            failed = {at[k]: err for k, err in failed.items()}
-            if not kept:
-                return None, None, failed
-            feats, logits = self._run(torch.stack([cast(torch.Tensor, chw[i]) for i in kept]))
-            return _scatter(feats, kept, len(items)), _scatter(logits, kept, len(items)), failed
+            return self._guarded(lambda: self._forward_items(items))
+
+    def _forward_items(self, items: Sequence[np.ndarray | EncodedJpeg]
+                       ) -> tuple[torch.Tensor | None, torch.Tensor | None, dict[int, Exception]]:
+        at = [i for i, item in enumerate(items) if isinstance(item, EncodedJpeg)]
+        decoded, failed = device_decode.crops([cast(EncodedJpeg, items[i]) for i in at], self.info.transform,
+                                              self.device)
+        chw: list[torch.Tensor | None] = [None] * len(items)
+        for k, i in enumerate(at):
+            chw[i] = decoded[k]
+        arrays = [i for i, item in enumerate(items) if isinstance(item, np.ndarray)]
+        if arrays:
+            uploaded = self._upload(np.stack([cast(np.ndarray, items[i]) for i in arrays]))
+            for k, i in enumerate(arrays):
+                chw[i] = uploaded[k]
+        kept = [i for i, t in enumerate(chw) if t is not None]
+        failed = {at[k]: err for k, err in failed.items()}
+        if not kept:
+            return None, None, failed
+        feats, logits = self._run(torch.stack([cast(torch.Tensor, chw[i]) for i in kept]))
+        return _scatter(feats, kept, len(items)), _scatter(logits, kept, len(items)), failed
 
     def _upload(self, batch: np.ndarray) -> torch.Tensor:
         """uint8 (N, H, W, 3) crops → (N, 3, H, W) on the device; NHWC memory viewed as NCHW *is*
@@ -170,7 +175,8 @@ class LoadedModel:
             x = x.contiguous()
         elif not x.is_contiguous(memory_format=torch.channels_last):
             x = x.contiguous(memory_format=torch.channels_last)  # the device decoder's stacked NCHW crops
-        out = self._guarded(self.module, x)
+        with autocast(self.device, self.dtype):
+            out = self.module(x)
         if isinstance(out, tuple):
             feats, logits = out
         else:
@@ -186,14 +192,18 @@ class LoadedModel:
         """One batch of token ids (N, context_length) → text embeddings. The inference thread only."""
         assert self.text is not None
         with torch.inference_mode():
-            return self._guarded(self.text.encode, torch.from_numpy(ids).to(self.device)).float().cpu()
+            return self._guarded(lambda: self._encode_text(torch.from_numpy(ids).to(self.device)))
 
-    def _guarded(self, fn: Callable[[torch.Tensor], Any], x: torch.Tensor) -> Any:
-        """``fn(x)`` under the serving dtype; running out of device memory raises ``OutOfMemory`` once the
-        failed attempt's memory is released (the batcher then splits the batch)."""
+    def _encode_text(self, ids: torch.Tensor) -> torch.Tensor:
+        assert self.text is not None
+        with autocast(self.device, self.dtype):
+            return self.text.encode(ids).float().cpu()
+
+    def _guarded(self, fn: Callable[[], T]) -> T:
+        """``fn()``; running out of device memory (the copy to it, decoding, the forward) raises
+        ``OutOfMemory`` once the failed attempt's memory is released (the batcher then splits the batch)."""
         try:
-            with autocast(self.device, self.dtype):
-                return fn(x)
+            return fn()
         except torch.OutOfMemoryError:
             pass
         except RuntimeError as exc:  # the CPU allocator says it with a plain RuntimeError
@@ -203,8 +213,8 @@ class LoadedModel:
         # can the CUDA cache hand their memory back
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
-        raise OutOfMemory(f"{self.device} ran out of memory for one image of {tuple(x.shape)}; retry shortly "
-                          "(other work may be holding the memory) or send smaller batches", retry_after_s=2)
+        raise OutOfMemory(f"{self.device} ran out of memory for this image; retry shortly (other work may be "
+                          "holding the memory) or send smaller images", retry_after_s=2)
 
     def set_threads(self, n: int) -> None:
         """torch intra-op threads for the calling (inference) thread's next forwards; CPU only."""
