@@ -109,17 +109,23 @@ def start_all(selected: list[Design], plan: Plan, weights: Path, base_url: str,
 
     Every server is stopped when ``stack`` closes, whether it started or not.
     """
-    servers = {d.label: server_for(d, plan.model, weights, base_url) for d in selected}
+    return start_servers({d.label: server_for(d, plan.model, weights, base_url) for d in selected}, stack)
+
+
+def start_servers(servers: dict[str, GunicornServer | UvicornServer],
+                  stack: contextlib.ExitStack) -> dict[str, str | Exception]:
+    """Start ``servers`` at once (their model loads overlap): name → URL, or the start-up error (recorded
+    per server by the caller). Every server is stopped when ``stack`` closes, whether it started or not."""
     for srv in servers.values():
         stack.callback(srv.stop)
     with ThreadPoolExecutor(len(servers) or 1) as pool:
-        started = {label: pool.submit(srv.start) for label, srv in servers.items()}
+        started = {name: pool.submit(srv.start) for name, srv in servers.items()}
         urls: dict[str, str | Exception] = {}
-        for label, fut in started.items():
+        for name, fut in started.items():
             try:
-                urls[label] = fut.result().url
-            except Exception as exc:  # noqa: BLE001 - recorded per design by start_design
-                urls[label] = exc
+                urls[name] = fut.result().url
+            except Exception as exc:  # noqa: BLE001 - the caller records it for that server
+                urls[name] = exc
     return urls
 
 

@@ -31,7 +31,6 @@ import os
 import statistics
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,8 +38,9 @@ from typing import Any
 import numpy as np
 import requests
 
-from bench import bare, equivalence, k6, report
+from bench import bare, compare, equivalence, k6, report
 from bench.album import DEFAULT_DIR, ensure_album, load_album
+from bench.asyncio_designs.server import UvicornServer
 from bench.compare import DOCS_DIR, GREENSERVE_LIMITS, OUT_DIR, READY_TIMEOUT_S, fetch_embeddings
 from harness.imagehost import ImageHost
 from harness.launch import GunicornServer
@@ -119,18 +119,8 @@ def server(requested: str, plan: Plan, weights: Path, base_url: str, cores: int)
 def start_servers(dtypes: list[str], plan: Plan, weights: Path, base_url: str, cores: int,
                   stack: contextlib.ExitStack) -> dict[str, str | Exception]:
     """Every server at once (their model loads overlap): requested dtype → URL, or the start-up error."""
-    servers = {d: server(d, plan, weights, base_url, cores) for d in dtypes}
-    for srv in servers.values():
-        stack.callback(srv.stop)
-    with ThreadPoolExecutor(len(servers)) as pool:
-        started = {d: pool.submit(srv.start) for d, srv in servers.items()}
-        urls: dict[str, str | Exception] = {}
-        for d, fut in started.items():
-            try:
-                urls[d] = fut.result().url
-            except Exception as exc:  # noqa: BLE001 - recorded per server by check_server
-                urls[d] = exc
-    return urls
+    servers: dict[str, GunicornServer | UvicornServer] = {d: server(d, plan, weights, base_url, cores) for d in dtypes}
+    return compare.start_servers(servers, stack)  # each start-up error is recorded by check_server
 
 
 def check_server(requested: str, url: str | Exception, cores: int, names: list[str],
