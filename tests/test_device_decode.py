@@ -17,7 +17,7 @@ from service.engine.device_decode import EncodedJpeg
 from service.engine.model import load_model
 from service.engine.transform import Transform
 from service.errors import ImageTooLarge, NotAnImage, UnsupportedImage
-from service.pipeline.decode import configure_pillow, jpeg_for_device
+from service.pipeline.decode import configure_pillow, jpeg_for_device, open_checked
 from service.pipeline.orchestrate import checked_for_device, decode_and_crop
 from tests import images
 
@@ -32,7 +32,7 @@ def _pillow() -> None:
 
 
 def encoded(data: bytes) -> EncodedJpeg:
-    jpeg = jpeg_for_device(data, max_pixels=MAX_PIXELS)
+    jpeg = jpeg_for_device(open_checked(data, MAX_PIXELS), data)
     assert jpeg is not None
     return jpeg
 
@@ -48,12 +48,12 @@ def test_a_complete_rgb_or_grey_jpeg_goes_to_the_device_with_its_orientation() -
                                   images.encode(images.photo(32, 32).convert("CMYK"), "JPEG"),
                                   images.truncated_jpeg()], ids=["png", "cmyk", "truncated"])
 def test_everything_else_stays_with_pillow(data: bytes) -> None:
-    assert jpeg_for_device(data, max_pixels=MAX_PIXELS) is None
+    assert jpeg_for_device(open_checked(data, MAX_PIXELS), data) is None
 
 
 def test_the_safety_checks_run_before_anything_is_decoded() -> None:
     with pytest.raises(ImageTooLarge):
-        jpeg_for_device(images.jpeg(400, 300), max_pixels=100_000)
+        checked_for_device(images.jpeg(400, 300), T, 100_000)
     with pytest.raises(UnsupportedImage):
         checked_for_device(images.tiff(), T, MAX_PIXELS)
     with pytest.raises(NotAnImage) as caught:  # Pillow names it, as it does without device decoding

@@ -11,6 +11,7 @@ def test_defaults_bind_loopback_and_resnet50() -> None:
     assert s.model == "resnet50"
     assert s.weights == "auto"
     assert s.workers >= 1
+    assert (s.dtype, s.cpu_bf16, s.jpeg_decode) == ("auto", "auto", "auto")
 
 
 def test_values_are_cast_from_env() -> None:
@@ -31,6 +32,9 @@ def test_values_are_cast_from_env() -> None:
     ({"GREENSERVE_FETCH_ALLOW": "not a cidr"}, "GREENSERVE_FETCH_ALLOW"),
     ({"GREENSERVE_CHANNELS_LAST": "maybe"}, "GREENSERVE_CHANNELS_LAST"),
     ({"GREENSERVE_MAX_IMAGESS": "3"}, "GREENSERVE_MAX_IMAGESS"),
+    ({"GREENSERVE_DTYPE": "int8"}, "GREENSERVE_DTYPE"),
+    ({"GREENSERVE_CPU_BF16": "maybe"}, "GREENSERVE_CPU_BF16"),
+    ({"GREENSERVE_JPEG_DECODE": "gpu"}, "GREENSERVE_JPEG_DECODE"),
 ])
 def test_bad_values_fail_naming_the_variable(env: dict[str, str], needle: str) -> None:
     with pytest.raises(SettingsError, match=needle):

@@ -46,7 +46,11 @@ def decode_image(data: bytes, *, max_pixels: int, draft_size: int | None = None)
     ``draft_size`` is the shortest side the caller will resize to; JPEGs are decoded at the smallest
     libjpeg scale that still covers it.
     """
-    img = _open_checked(data, max_pixels)
+    return decode_opened(open_checked(data, max_pixels), data, draft_size=draft_size)
+
+
+def decode_opened(img: Image.Image, data: bytes, *, draft_size: int | None = None) -> Image.Image:
+    """``decode_image`` for an image ``open_checked`` already opened from ``data``."""
     if draft_size and img.format in ("JPEG", "MPO"):
         img.draft("RGB", (draft_size, draft_size))
     # Hand the decoder all the bytes in one call instead of Pillow's 64 KB blocks: it drops the GIL
@@ -64,11 +68,10 @@ def decode_image(data: bytes, *, max_pixels: int, draft_size: int | None = None)
     return to_rgb(img)
 
 
-def jpeg_for_device(data: bytes, *, max_pixels: int) -> EncodedJpeg | None:
-    """The checks ``decode_image`` makes before decoding (allow-list, pixel limit from the header), then,
-    for a complete RGB or greyscale JPEG, its bytes and EXIF orientation for the device to decode; None
-    for anything else (CMYK, another format, no end marker): Pillow decodes those."""
-    img = _open_checked(data, max_pixels)
+def jpeg_for_device(img: Image.Image, data: bytes) -> EncodedJpeg | None:
+    """For ``data`` that passed ``open_checked`` (``img``) and is a complete RGB or greyscale JPEG: its bytes
+    and EXIF orientation for the device to decode; None for anything else (CMYK, another format, no end
+    marker): Pillow decodes those (``decode_opened``)."""
     if img.format not in ("JPEG", "MPO") or img.mode not in ("RGB", "L"):
         return None
     # a cut-off file goes to Pillow, which names it truncated_image (a device decoder may fill it in grey)
@@ -77,7 +80,9 @@ def jpeg_for_device(data: bytes, *, max_pixels: int) -> EncodedJpeg | None:
     return EncodedJpeg(np.frombuffer(data, np.uint8).copy(), _orientation(img))
 
 
-def _open_checked(data: bytes, max_pixels: int) -> Image.Image:
+def open_checked(data: bytes, max_pixels: int) -> Image.Image:
+    """The checks made before any pixel is decoded: not empty, an allowed format (refused ones named), the
+    pixel limit from the header."""
     if not data:
         raise NotAnImage("the image is empty (0 bytes)", code="empty_image")
     img = _open(data)

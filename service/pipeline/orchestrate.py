@@ -34,7 +34,7 @@ from service.engine.scheduling import Admission
 from service.engine.transform import Transform
 from service.errors import DeadlineExceeded, ImageError, ImagesFailed, image_error_item
 from service.pipeline import postprocess
-from service.pipeline.decode import decode_image, jpeg_for_device
+from service.pipeline.decode import decode_image, decode_opened, jpeg_for_device, open_checked
 from service.pipeline.fetch import Fetcher
 from service.pipeline.inputs import ImageRef, InferenceRequest
 from service.pipeline.preprocess import preprocess
@@ -109,8 +109,11 @@ def decode_and_crop(data: bytes, transform: Transform, max_pixels: int) -> np.nd
 def checked_for_device(data: bytes, transform: Transform, max_pixels: int) -> np.ndarray | EncodedJpeg:
     """Runs in a decode thread when the model decodes JPEGs on its device: a JPEG that passes the header
     checks goes on encoded; anything else is decoded and cropped here, as without device decoding."""
-    jpeg = jpeg_for_device(data, max_pixels=max_pixels)
-    return jpeg if jpeg is not None else decode_and_crop(data, transform, max_pixels)
+    img = open_checked(data, max_pixels)  # header only: opened once, whichever way it is decoded
+    jpeg = jpeg_for_device(img, data)
+    if jpeg is not None:
+        return jpeg
+    return preprocess(decode_opened(img, data, draft_size=transform.resize_size), transform)
 
 
 class Orchestrator:
