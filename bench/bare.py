@@ -2,7 +2,8 @@
 
 ``python -m bench.bare --model M --weights W --album DIR --threads T --reps R [--out emb.npy]`` loads the
 model exactly as every design does (``load_model`` from the same state-dict file, channels_last; ``--dtype
-bfloat16`` runs the forward in bf16 autocast, as ``GREENSERVE_DTYPE=bfloat16`` does), decodes
+bfloat16`` casts the weights and input to bf16 once, as ``GREENSERVE_DTYPE=bfloat16`` does; ``bfloat16-autocast``
+runs the float32 weights under autocast), decodes
 the album with greenserve's ``decode_and_crop`` (in T threads: Pillow drops the GIL) and runs it as one
 batch, R times after a warm-up. With ``--out`` it saves the L2-normalised embeddings (album order) as float32
 ``.npy``. It prints "ready" after the warm-up, then for each line on stdin (so the processes of a layout
@@ -22,13 +23,14 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 from bench.album import load_album
 from harness.launch import ROOT
 
 MAX_PIXELS = 40_000_000  # greenserve's GREENSERVE_MAX_IMAGE_PIXELS default
 READY = "ready"
-DTYPES = ("float32", "bfloat16")  # the forward's autocast dtype (float32: autocast off, as before)
+DTYPES = ("float32", "bfloat16", "bfloat16-autocast")  # bfloat16: weights cast once, as GREENSERVE_DTYPE=bfloat16
 
 
 def slug(model: str) -> str:
@@ -98,6 +100,16 @@ def measure(model: str, weights: Path, album: Path, *, processes: int, threads: 
             "seconds_per_batch": round(max(r["seconds_per_batch"] for r in results), 3)}
 
 
+def numerics_of(dtype: str) -> Any:
+    """A ``DTYPES`` name as the engine's ``Numerics``."""
+    import torch
+
+    from service.engine.casting import Numerics
+
+    name, _, how = dtype.partition("-")
+    return Numerics(getattr(torch, name), cast=how != "autocast" and name != "float32")
+
+
 def _dtype_args(dtype: str) -> list[str]:
     """The child's ``--dtype``, left out for float32 so the default command line stays what it was."""
     if dtype not in DTYPES:
@@ -115,7 +127,7 @@ def _run(args: argparse.Namespace) -> None:
 
     torch.set_num_threads(args.threads)
     configure_pillow(MAX_PIXELS)
-    model = load_model(args.model, str(args.weights), channels_last=True, dtype=getattr(torch, args.dtype))
+    model = load_model(args.model, str(args.weights), channels_last=True, numerics=numerics_of(args.dtype))
     model.warm_up()
     blobs = list(load_album(args.album).values())
     t = model.info.transform
@@ -179,7 +191,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--reps", type=int, default=2)
     parser.add_argument("--out", type=Path)
-    parser.add_argument("--dtype", choices=DTYPES, default="float32", help="autocast dtype of the forward")
+    parser.add_argument("--dtype", choices=DTYPES, default="float32",
+                        help="the forward's numerics: float32, bfloat16 (weights cast once), bfloat16-autocast")
     _run(parser.parse_args())
 
 

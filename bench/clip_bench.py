@@ -4,7 +4,7 @@
 
 - speed: the model alone, in this process (torch on every core), timed in alternation, each variant against
   the serving default at the same batch: image batch size 1/8/32; channels_last; the attention fast path
-  (``nn.MultiheadAttention``'s fused SDPA kernel) off; bf16 autocast; texts trimmed to the batch's longest
+  (``nn.MultiheadAttention``'s fused SDPA kernel) off; bf16 autocast and cast once at 1/8/32; texts trimmed to the batch's longest
   (the default) vs the full 77-token context. Outputs are compared with the default's (cosine).
 - text: a real ``gunicorn -k gevent`` (default workers) serving the model; texts/s and request latency for
   1, 16 and 256 texts per request, closed loop with 4 clients, against the text tower alone (bare: batches
@@ -16,6 +16,7 @@ Prints the command, the machine and a table per section; writes bench/out/clip.j
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import sys
@@ -62,6 +63,7 @@ def _cos(a: Any, b: Any) -> float:
 def speed(model_name: str, weights: Path, cores: int) -> list[dict[str, Any]]:
     import torch
 
+    from service.engine.casting import FLOAT32, Numerics
     from service.engine.model import load_model
 
     torch.set_num_threads(cores)
@@ -98,8 +100,10 @@ def speed(model_name: str, weights: Path, cores: int) -> list[dict[str, Any]]:
            lambda: torch.backends.mha.set_fastpath_enabled(True))
     images(8, "channels_last input", lambda: setattr(model, "channels_last", True),
            lambda: setattr(model, "channels_last", False))
-    images(32, "bf16 autocast", lambda: setattr(model, "dtype", torch.bfloat16),
-           lambda: setattr(model, "dtype", torch.float32))
+    for numerics in (Numerics(torch.bfloat16, cast=False), Numerics(torch.bfloat16, cast=True)):
+        for batch in (1, 8, 32):
+            images(batch, numerics.name, functools.partial(model.set_numerics, "image", numerics),
+                   functools.partial(model.set_numerics, "image", FLOAT32))
     rows.append(_text_trim(model, reps=2))
     print(json.dumps(rows[-1]), flush=True)
     return rows

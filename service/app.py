@@ -63,7 +63,10 @@ def _load_model(settings: Settings, slot: int) -> Model:
     log.info("loading %s (weights=%s) on %s with %d torch thread(s)", settings.model, settings.weights,
              device, torch.get_num_threads())
     model = load_model(settings.model, settings.weights, device=device, channels_last=settings.channels_last)
-    precision.settle(model, settings.dtype, cpu_bf16=settings.cpu_bf16)  # before warm-up: it warms the chosen one
+    # before warm-up (it warms the chosen numerics), timed at the sizes the batchers form
+    precision.settle(model, settings.dtype, cpu_bf16=settings.cpu_bf16,
+                     image_sizes=precision.batch_sizes(settings.max_batch),
+                     text_sizes=precision.batch_sizes(settings.max_text_batch))
     on_device, why = device_decode.usable(settings.jpeg_decode, device, model.info.transform)
     model.info = dataclasses.replace(model.info, jpeg_decode="device" if on_device else "pillow")
     log.info("JPEG decoding: %s (%s)", model.info.jpeg_decode, why)

@@ -163,14 +163,21 @@ def _model_card() -> Schema:
                ("context_length", "over_context_length", "logit_scale", "logit_bias"))
     string = {"type": "string"}
     dtypes = {"enum": ["float32", "bfloat16", "float16"]}
-    probe = obj({"candidate": dtypes, "images": _integer(1), "min_cosine": {"type": "number"},
-                 "top1_same": {"type": ["integer", "null"]}, "ms_float32": {"type": "number"},
-                 "ms_candidate": {"type": "number"}},
-                ("candidate", "images", "min_cosine", "top1_same", "ms_float32", "ms_candidate"))
+    number, numbers = {"type": "number"}, {"type": "array", "items": {"type": "number"}}
+    trial = obj({"numerics": string, "sizes": {"type": "array", "items": _integer(1)}, "ms": numbers,
+                 "ms_float32": numbers, "speedup": number, "min_cosine": {"type": ["number", "null"]},
+                 "top1_same": {"type": ["integer", "null"]}, "compared": _integer(), "agrees": {"type": "boolean"},
+                 "error": {"type": ["string", "null"]}},
+                ("numerics", "sizes", "ms", "ms_float32", "speedup", "min_cosine", "top1_same", "compared", "agrees",
+                 "error"))
+    tower = obj({"numerics": string, "reason": string, "sizes": {"type": "array", "items": _integer(1)},
+                 "trials": {"type": "array", "items": trial}}, ("numerics", "reason", "sizes", "trials"),
+                description="float32, or a lower dtype by autocast or with the weights cast once")
     precision = obj({"requested": {"enum": ["auto", "float32", "bfloat16", "float16"]}, "chosen": dtypes,
-                     "hardware": string, "reason": string, "min_cosine": {"type": "number"}, "probe": probe},
-                    ("requested", "chosen", "hardware", "reason", "min_cosine"),
-                    description="GREENSERVE_DTYPE and what it chose on this worker's hardware, and why")
+                     "hardware": string, "reason": string, "min_cosine": number, "min_speedup": number,
+                     "towers": obj({"image": tower, "text": tower}, ("image",))},
+                    ("requested", "chosen", "hardware", "reason", "min_cosine", "min_speedup", "towers"),
+                    description="GREENSERVE_DTYPE and what each tower chose on this worker's hardware, and why")
     properties = {
         "id": string, "object": {"const": "model"}, "created": _integer(), "owned_by": string, "ready": {"const": True},
         "name": string, "family": string, "towers": {"type": "array", "items": {"enum": ["image", "text"]}},

@@ -60,10 +60,11 @@ class Settings:
     weights: str = _setting("auto", "auto | imagenet | random | a file (state dict, TorchScript, open_clip checkpoint) "
                             "| an open_clip pretrained tag in the local cache (laion2b_s34b_b79k)")
     device: str = _setting("auto", "cpu | cuda | cuda:N | auto (cuda when present, workers spread over GPUs)")
-    dtype: str = _setting("auto", "auto | float32 | bfloat16 | float16: the forward's dtype. auto: bfloat16 on a CPU "
-                          "with AMX or avx512_bf16 or a GPU of compute capability 8+ (float16 on 7.x), kept only if a "
-                          "probe batch agrees with float32 (embedding cosine >= 0.9999, same top-1), else float32; "
-                          "/v1/models says which and why. The others pin it")
+    dtype: str = _setting("auto", "auto | float32 | bfloat16 | float16: the forward's dtype. auto: each tower tries "
+                          "bfloat16 on a CPU with AMX or avx512_bf16 or a GPU of compute capability 8+ (float16 on "
+                          "7.x), with its weights cast once and by autocast, and keeps the faster that agrees with "
+                          "float32 (cosine >= 0.9999, same top-1) and is >= 1.15x as fast at the batch sizes it "
+                          "forms, else float32; /v1/models says which and why. The others pin it (weights cast once)")
     cpu_bf16: str = _setting("auto", "auto | yes | no: whether dtype auto treats this CPU as running bfloat16 natively "
                              "(auto: the amx_bf16 or avx512_bf16 CPU flag; yes where a VM hides the flags)")
     jpeg_decode: str = _setting("auto", "auto | pillow | device: where JPEGs are decoded. device: in batches on the model's "

@@ -10,6 +10,7 @@ import torch
 import torchvision
 
 from service.engine import torchvision_family as model_mod
+from service.engine.casting import Numerics
 from service.engine.model import ModelLoadError, load_model
 from service.engine.torchvision_family import split_head
 
@@ -171,10 +172,11 @@ def test_exported_checkpoint_stays_mapped_in_channels_last(tmp_path: Path,
     torch.testing.assert_close(exported.forward(pixels)[0], plain.forward(pixels)[0])
 
 
-def test_bfloat16_autocast_embeddings_stay_within_tolerance(saved_state: tuple[Path, torch.nn.Module]) -> None:
+@pytest.mark.parametrize("cast", [False, True], ids=["autocast", "cast once"])
+def test_bfloat16_embeddings_stay_within_tolerance(saved_state: tuple[Path, torch.nn.Module], cast: bool) -> None:
     path, _ = saved_state
     fp32 = load_model(NAME, str(path))
-    bf16 = load_model(NAME, str(path), dtype=torch.bfloat16)
+    bf16 = load_model(NAME, str(path), numerics=Numerics(torch.bfloat16, cast=cast))
     assert bf16.info.dtype == "bfloat16"
     pixels = batch(4)
     cos = torch.nn.functional.cosine_similarity(fp32.forward(pixels)[0], bf16.forward(pixels)[0])

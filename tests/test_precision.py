@@ -3,7 +3,8 @@ precision only when it agrees with float32, on real torch modules (one whose bfl
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 import pytest
@@ -11,6 +12,7 @@ import torch
 from torch import nn
 
 from service.engine import precision
+from service.engine.casting import Numerics
 from service.engine.model import LoadedModel, ModelInfo, Tokens, load_model
 from service.engine.transform import Transform
 
@@ -20,10 +22,14 @@ AVX2 = frozenset({"avx2", "fma"})
 CPU = torch.device("cpu")
 
 
-@pytest.fixture(scope="module")
-def resnet18() -> LoadedModel:
+def fresh_resnet18() -> LoadedModel:
     torch.manual_seed(0)
     return load_model("resnet18", "random")
+
+
+@pytest.fixture(scope="module")
+def resnet18() -> LoadedModel:
+    return fresh_resnet18()
 
 
 @pytest.mark.parametrize(("flags", "mode", "expected"), [
@@ -57,41 +63,117 @@ def test_a_gpu_candidate_follows_its_compute_capability(monkeypatch: pytest.Monk
         assert hardware == f"cuda sm_{capability[0]}{capability[1]} a GPU"
 
 
-def test_auto_without_native_bf16_serves_float32_without_a_probe(resnet18: LoadedModel) -> None:
-    chosen = precision.settle(resnet18, "auto", flags=AVX2)
-    assert (chosen.chosen, chosen.probe, resnet18.dtype) == ("float32", None, torch.float32)
+def fake_timer(factors: dict[str, float], per_image_s: float = 0.01) -> precision.Timer:
+    """Runs the forward for its outputs, and says it took ``per_image_s`` per image times the numerics'
+    factor (float32: 1): the speed half of the choice, injected."""
+    calls: list[tuple[str, str, int]] = []
+
+    def timer(tower: str, numerics: Numerics, size: int, run: Callable[[], Any]) -> tuple[Any, float]:
+        calls.append((tower, numerics.name, size))
+        return run(), size * per_image_s * factors.get(numerics.name, 1.0)
+
+    timer.calls = calls  # type: ignore[attr-defined]  # what was timed, for the assertions
+    return timer
+
+
+SMALL = (1, 2, 4)  # batch sizes for the trials whose every candidate runs to the end (emulated bf16 is slow here)
+FAST_CAST = {"bfloat16 cast once": 0.3, "bfloat16 autocast": 1.7}  # what the seed measured on a ViT-B/32
+
+
+def test_auto_without_native_bf16_serves_float32_without_a_trial(resnet18: LoadedModel) -> None:
+    chosen = precision.settle(resnet18, "auto", flags=AVX2, timer=fake_timer(FAST_CAST))
+    assert (chosen.chosen, resnet18.dtype) == ("float32", torch.float32)
     assert "no native bfloat16" in chosen.reason
+    image = chosen.tower("image")
+    assert image is not None and image.trials == () and image.numerics == "float32"
     public = resnet18.info.public()
     assert public["dtype"] == "float32"
-    assert public["precision"]["requested"] == "auto" and "probe" not in public["precision"]
+    assert public["precision"]["requested"] == "auto" and public["precision"]["towers"]["image"]["trials"] == []
 
 
-def test_auto_with_native_bf16_keeps_it_when_the_probe_agrees(resnet18: LoadedModel) -> None:
-    chosen = precision.settle(resnet18, "auto", flags=ZEN4)
-    assert chosen.probe is not None and chosen.probe.agrees
-    assert chosen.probe.min_cosine >= precision.MIN_COSINE
-    assert chosen.probe.top1_same == chosen.probe.images == precision.PROBE_IMAGES
-    assert (chosen.chosen, resnet18.dtype, resnet18.info.dtype) == ("bfloat16", torch.bfloat16, "bfloat16")
-    assert "agreed" in chosen.reason and "avx512_bf16" in chosen.reason
-    assert resnet18.info.public()["precision"]["probe"]["candidate"] == "bfloat16"
-    # and it really serves bfloat16 now: the answer moves from float32's in the last bits
-    pixels = precision.probe_pixels(224, 2)
-    low = resnet18.forward(pixels)[0]
-    resnet18.dtype = torch.float32
-    high = resnet18.forward(pixels)[0]
-    assert low is not None and high is not None and not torch.equal(low, high)
+def test_auto_with_native_bf16_keeps_the_cast_once_weights_when_they_agree_and_are_faster() -> None:
+    model = fresh_resnet18()
+    before = model.forward(precision.probe_pixels(224, 2))[0]
+    timer = fake_timer(FAST_CAST)
+    chosen = precision.settle(model, "auto", flags=ZEN4, timer=timer)
+    image = chosen.tower("image")
+    assert image is not None and image.numerics == "bfloat16 cast once", chosen.reason
+    assert (chosen.chosen, model.dtype, model.info.dtype) == ("bfloat16", torch.bfloat16, "bfloat16")
+    cast, autocast = image.trials
+    assert cast.agrees and cast.min_cosine is not None and cast.min_cosine >= precision.MIN_COSINE
+    assert cast.top1_same == cast.compared == 1 + 8 + 32  # every probe output at every size
+    assert cast.speedup == pytest.approx(1 / 0.3) and autocast.speedup == pytest.approx(1 / 1.7)
+    assert "avx512_bf16" in chosen.reason and "3.33x" in chosen.reason and "agreed but slower" in chosen.reason
+    # timed at the sizes asked for, ascending; autocast stopped once it could not be fast enough
+    assert [c for c in timer.calls if c[1] == "float32"] == [("image", "float32", n) for n in (1, 8, 32)]  # type: ignore[attr-defined]
+    assert len(autocast.sizes) < 3
+    # and it really serves cast weights now: a Linear/Conv in bfloat16, the answer moved in the last bits
+    assert model.module.backbone.conv1.weight.dtype == torch.bfloat16
+    after = model.forward(precision.probe_pixels(224, 2))[0]
+    assert after is not None and before is not None and after.dtype == torch.float32 and not torch.equal(after, before)
+    card = model.info.public()["precision"]
+    assert card["towers"]["image"]["numerics"] == "bfloat16 cast once"
+    assert [t["numerics"] for t in card["towers"]["image"]["trials"]] == ["bfloat16 cast once", "bfloat16 autocast"]
+
+
+def test_an_agreeing_but_slower_candidate_is_refused_with_both_timings() -> None:
+    model = fresh_resnet18()
+    chosen = precision.settle(model, "auto", flags=AMX, timer=fake_timer({"bfloat16 cast once": 2.0,
+                                                                          "bfloat16 autocast": 3.0}))
+    assert (chosen.chosen, model.dtype) == ("float32", torch.float32)
+    image = chosen.tower("image")
+    assert image is not None and all(t.agrees for t in image.trials)
+    assert "agreed but slower" in chosen.reason and "0.50x" in chosen.reason
+    assert "20 ms vs float32 10 ms at batch 1" in chosen.reason  # both figures, in words
+    assert model.module.backbone.conv1.weight.dtype == torch.float32  # the originals are back
+
+
+def test_a_candidate_under_the_margin_is_refused() -> None:
+    model = fresh_resnet18()
+    chosen = precision.settle(model, "auto", flags=AMX, image_sizes=SMALL,
+                              timer=fake_timer({"bfloat16 cast once": 1 / 1.1, "bfloat16 autocast": 1.0}))
+    assert chosen.chosen == "float32" and "not enough faster" in chosen.reason
+
+
+def test_autocast_serves_when_it_is_the_faster_one_that_agrees() -> None:
+    model = fresh_resnet18()
+    chosen = precision.settle(model, "auto", flags=AMX, image_sizes=SMALL,
+                              timer=fake_timer({"bfloat16 cast once": 0.8, "bfloat16 autocast": 0.5}))
+    assert model.numerics_of("image") == Numerics(torch.bfloat16, cast=False)
+    assert model.module.backbone.conv1.weight.dtype == torch.float32  # autocast casts per call, not the weights
+    assert chosen.reason.startswith("cpu amx_bf16: image tower bfloat16 autocast: ")
+
+
+@pytest.mark.skipif(bool(precision.cpu_flags() & set(precision.CPU_BF16_FLAGS)), reason="this CPU has native bf16")
+def test_on_this_cpu_emulated_bf16_agrees_but_measures_slower_so_float32_serves() -> None:
+    """The real clock: GREENSERVE_CPU_BF16=yes on a CPU without native bf16 (emulated: 5-7x slower here)."""
+    model = fresh_resnet18()
+    chosen = precision.settle(model, "auto", cpu_bf16="yes", flags=AVX2)
+    assert chosen.chosen == "float32", chosen.reason
+    image = chosen.tower("image")
+    assert image is not None and all(t.speedup < 1 and t.sizes == (1,) for t in image.trials), chosen.reason
+    assert "agreed but slower" in chosen.reason
 
 
 def test_the_cpu_override_turns_it_off_even_on_amx(resnet18: LoadedModel) -> None:
     chosen = precision.settle(resnet18, "auto", cpu_bf16="no", flags=AMX)
-    assert (chosen.chosen, chosen.probe) == ("float32", None)
+    assert chosen.chosen == "float32" and chosen.towers[0].trials == ()
 
 
 @pytest.mark.parametrize("pinned", ["float32", "bfloat16", "float16"])
-def test_a_pinned_dtype_is_served_as_given_unprobed(resnet18: LoadedModel, pinned: str) -> None:
-    chosen = precision.settle(resnet18, pinned, flags=AMX if pinned == "float32" else AVX2)
-    assert (chosen.chosen, chosen.probe, resnet18.dtype) == (pinned, None, getattr(torch, pinned))
-    assert chosen.reason == "pinned by GREENSERVE_DTYPE"
+def test_a_pinned_dtype_is_served_as_given_cast_once_untried(pinned: str) -> None:
+    model = fresh_resnet18()
+    chosen = precision.settle(model, pinned, flags=AMX if pinned == "float32" else AVX2)
+    assert (chosen.chosen, model.dtype) == (pinned, getattr(torch, pinned))
+    assert chosen.towers[0].trials == () and chosen.reason == "pinned by GREENSERVE_DTYPE"
+    assert model.module.backbone.conv1.weight.dtype == getattr(torch, pinned)
+
+
+def test_batch_sizes_are_one_a_quarter_and_the_max() -> None:
+    assert precision.batch_sizes(32) == (1, 8, 32)
+    assert precision.batch_sizes(64) == (1, 16, 64)
+    assert precision.batch_sizes(2) == (1, 2)
+    assert precision.batch_sizes(1) == (1,)
 
 
 class Cancelling(nn.Module):
@@ -130,23 +212,26 @@ class NearTie(nn.Module):
 
 def small_model(module: nn.Module, text: DriftingText | None = None) -> LoadedModel:
     info = ModelInfo("probe-test", ("embeddings",), 3, (), "cpu", "float32", "random", Transform(16, 16))
+    roots = {} if text is None else {"text": (text.net, ())}
     return LoadedModel(info=info, module=module, device=CPU, channels_last=False, text=text,
-                       features_only=not isinstance(module, NearTie))
+                       features_only=not isinstance(module, NearTie), tower_roots=roots)
 
 
 def test_a_model_whose_bf16_embeddings_disagree_serves_float32() -> None:
     model = small_model(Cancelling())
-    chosen = precision.settle(model, "auto", flags=AMX)
-    assert chosen.probe is not None and chosen.probe.min_cosine < precision.MIN_COSINE
+    chosen = precision.settle(model, "auto", flags=AMX, timer=fake_timer(FAST_CAST))
+    cast = chosen.towers[0].trials[0]
+    assert cast.min_cosine is not None and cast.min_cosine < precision.MIN_COSINE
     assert (chosen.chosen, model.dtype, model.info.dtype) == ("float32", torch.float32, "float32")
-    assert "disagreed" in chosen.reason and "so float32" in chosen.reason
+    assert "disagreed" in chosen.reason and "image tower float32: " in chosen.reason
 
 
 def test_a_top1_that_flips_in_bf16_serves_float32_though_the_embeddings_agree() -> None:
     model = small_model(NearTie())
-    chosen = precision.settle(model, "auto", flags=AMX)
-    assert chosen.probe is not None and chosen.probe.min_cosine >= precision.MIN_COSINE
-    assert chosen.probe.top1_same == 0
+    chosen = precision.settle(model, "auto", flags=AMX, timer=fake_timer(FAST_CAST))
+    cast = chosen.towers[0].trials[0]
+    assert cast.min_cosine is not None and cast.min_cosine >= precision.MIN_COSINE
+    assert cast.top1_same == 0
     assert chosen.chosen == "float32"
 
 
@@ -167,13 +252,16 @@ class DriftingText:
         return self.net(x)
 
 
-def test_the_text_tower_is_probed_too() -> None:
-    images_fine = nn.Sequential(nn.Flatten(), nn.LazyLinear(8))
+def test_each_tower_chooses_for_itself() -> None:
+    images_fine = nn.Sequential(nn.Flatten(), nn.Linear(16 * 16 * 3, 8))
     model = small_model(images_fine, DriftingText())
-    chosen = precision.settle(model, "auto", flags=ZEN4)
-    assert chosen.chosen == "float32", chosen.reason
-    model_without_text = small_model(images_fine)
-    assert precision.settle(model_without_text, "auto", flags=ZEN4).chosen == "bfloat16"
+    chosen = precision.settle(model, "auto", flags=ZEN4, timer=fake_timer(FAST_CAST))
+    image, text = chosen.tower("image"), chosen.tower("text")
+    assert image is not None and text is not None
+    assert (image.numerics, text.numerics) == ("bfloat16 cast once", "float32"), chosen.reason
+    assert model.numerics_of("text") == Numerics() and model.dtype == torch.bfloat16
+    assert text.sizes == (1, 16, 64) and "disagreed" in text.reason
+    assert set(model.info.public()["precision"]["towers"]) == {"image", "text"}
 
 
 def test_the_probe_images_are_deterministic_and_photo_like() -> None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast
 
 import numpy as np
@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from service.engine import device_decode
+from service.engine.casting import FLOAT32, Numerics, TowerCast
 from service.engine.device_decode import EncodedJpeg
 from service.engine.transform import Transform
 from service.errors import OutOfMemory
@@ -112,15 +113,19 @@ class TextTower(Protocol):
 class LoadedModel:
     """A ready model: ``forward(uint8 NHWC batch) -> (embeddings, logits)`` as float32 CPU tensors (either may
     be None: TorchScript classifiers give logits only, CLIP's image tower features only), and with a text
-    tower ``encode_text(token ids) -> embeddings``."""
+    tower ``encode_text(token ids) -> embeddings``. Each tower runs in its own ``Numerics`` (``set_numerics``)."""
 
     info: ModelInfo
     module: nn.Module  # returns (features, logits), or one tensor: logits, or features if ``features_only``
     device: torch.device
-    dtype: torch.dtype = torch.float32
     channels_last: bool = True
     text: TextTower | None = None
     features_only: bool = False
+    # what each tower casts for "cast once": its root module and the names under it that are not its own
+    # (CLIP's towers share one module; ``open_clip_family`` says which half is which)
+    tower_roots: dict[str, tuple[nn.Module, tuple[str, ...]]] = field(default_factory=dict)
+    numerics: dict[str, Numerics] = field(default_factory=dict)
+    _casts: dict[str, TowerCast] = field(init=False, repr=False, default_factory=dict)
     _mean: torch.Tensor = field(init=False, repr=False)
     _std: torch.Tensor = field(init=False, repr=False)
 
@@ -128,6 +133,36 @@ class LoadedModel:
         t = self.info.transform
         self._mean = torch.tensor(t.mean, device=self.device).view(1, 3, 1, 1) * 255
         self._std = torch.tensor(t.std, device=self.device).view(1, 3, 1, 1) * 255
+        self.tower_roots.setdefault("image", (self.module, ()))
+
+    @property
+    def towers(self) -> tuple[str, ...]:
+        return ("image", "text") if self.text is not None else ("image",)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The image tower's dtype."""
+        return self.numerics_of("image").dtype
+
+    def numerics_of(self, tower: str) -> Numerics:
+        return self.numerics.get(tower, FLOAT32)
+
+    def set_numerics(self, tower: str, numerics: Numerics) -> None:
+        """Run ``tower`` (image | text) in ``numerics`` from the next forward on; casting once casts its
+        weights now (float32 brings back the very originals)."""
+        self.tower_cast(tower).to(numerics.dtype if numerics.cast else torch.float32)
+        self.numerics[tower] = numerics
+
+    def tower_cast(self, tower: str) -> TowerCast:
+        if tower not in self._casts:
+            root, skip = self.tower_roots[tower]
+            self._casts[tower] = TowerCast(root, skip)
+        return self._casts[tower]
+
+    def release_float32(self) -> None:
+        """Drop the float32 originals of the towers cast once (after the dtype choice): one copy each."""
+        for tower in self._casts.values():
+            tower.release()
 
     def forward(self, batch: np.ndarray) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Run one batch of uint8 crops (N, H, W, 3). Call from the inference thread only."""
@@ -170,12 +205,15 @@ class LoadedModel:
         return x.permute(0, 3, 1, 2)
 
     def _run(self, x: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        x = x.to(torch.float32).sub_(self._mean).div_(self._std)
+        numerics = self.numerics_of("image")
+        x = x.to(torch.float32).sub_(self._mean).div_(self._std)  # normalised in float32, then cast once
+        if numerics.cast:
+            x = x.to(numerics.dtype)
         if not self.channels_last:
             x = x.contiguous()
         elif not x.is_contiguous(memory_format=torch.channels_last):
             x = x.contiguous(memory_format=torch.channels_last)  # the device decoder's stacked NCHW crops
-        with autocast(self.device, self.dtype):
+        with numerics.autocast(self.device):
             out = self.module(x)
         if isinstance(out, tuple):
             feats, logits = out
@@ -196,7 +234,7 @@ class LoadedModel:
 
     def _encode_text(self, ids: torch.Tensor) -> torch.Tensor:
         assert self.text is not None
-        with autocast(self.device, self.dtype):
+        with self.numerics_of("text").autocast(self.device):
             return self.text.encode(ids).float().cpu()
 
     def _guarded(self, fn: Callable[[], T]) -> T:
@@ -243,21 +281,29 @@ def _scatter(rows: torch.Tensor | None, kept: list[int], n: int) -> torch.Tensor
 
 
 def load_model(name: str, weights: str, *, device: torch.device | None = None, channels_last: bool = True,
-               dtype: torch.dtype = torch.float32) -> LoadedModel:
-    """Load ``name`` (``GREENSERVE_MODEL``) with ``weights`` (``GREENSERVE_WEIGHTS``) through its family."""
+               numerics: Numerics = FLOAT32) -> LoadedModel:
+    """Load ``name`` (``GREENSERVE_MODEL``) with ``weights`` (``GREENSERVE_WEIGHTS``) through its family, every
+    tower in ``numerics`` (``precision.settle`` chooses per tower instead)."""
     family, arch = parse_model_name(name)
     device = device or torch.device("cpu")
+    model: LoadedModel
     if family == "open_clip":
         from service.engine import open_clip_family
 
-        return open_clip_family.load(arch, weights, device=device, dtype=dtype)
-    if family == "timm":
+        model = open_clip_family.load(arch, weights, device=device)
+    elif family == "timm":
         from service.engine import timm_family
 
-        return timm_family.load(arch, weights, device=device, channels_last=channels_last, dtype=dtype)
-    from service.engine import torchvision_family
+        model = timm_family.load(arch, weights, device=device, channels_last=channels_last)
+    else:
+        from service.engine import torchvision_family
 
-    return torchvision_family.load(arch, weights, device=device, channels_last=channels_last, dtype=dtype)
+        model = torchvision_family.load(arch, weights, device=device, channels_last=channels_last)
+    if numerics != FLOAT32:
+        for tower in model.towers:
+            model.set_numerics(tower, numerics)
+        model.info = replace(model.info, dtype=dtype_name(numerics.dtype))
+    return model
 
 
 def resolve_device(device: str, worker_ordinal: int = 0) -> torch.device:
@@ -273,35 +319,5 @@ def resolve_device(device: str, worker_ordinal: int = 0) -> torch.device:
     return torch.device("cpu")
 
 
-def load_state_dict(path: str) -> dict[str, torch.Tensor]:
-    """A state dict file (``torch.save`` or ``.safetensors``), memory-mapped (workers share its pages),
-    ``module.`` prefixes dropped."""
-    if path.endswith(".safetensors"):
-        from safetensors.torch import load_file
-
-        return {k.removeprefix("module."): v for k, v in load_file(path).items()}
-    try:
-        state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
-    except (RuntimeError, OSError, ValueError, EOFError) as exc:
-        raise ModelLoadError(f"cannot read weights file {path!r} as a state dict or TorchScript ({exc}); "
-                             "save it with torch.save(model.state_dict(), path)") from exc
-    if isinstance(state, dict) and isinstance(state.get("state_dict"), dict):
-        state = state["state_dict"]
-    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
-        raise ModelLoadError(f"{path!r} does not hold a state dict of tensors")
-    return {k.removeprefix("module."): v for k, v in state.items()}
-
-
-def unset_tensors(model: nn.Module) -> list[str]:
-    """Parameters and buffers still on the meta device (the weights file did not set them)."""
-    return [n for n, t in (*model.named_parameters(), *model.named_buffers()) if t.is_meta]
-
-
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
-
-
-def autocast(device: torch.device, dtype: torch.dtype) -> Any:
-    if dtype == torch.float32:
-        return torch.autocast(device.type, enabled=False)
-    return torch.autocast(device.type, dtype=dtype)

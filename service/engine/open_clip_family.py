@@ -29,11 +29,9 @@ from service.engine.model import (
     ModelInfo,
     ModelLoadError,
     Tokens,
-    dtype_name,
-    load_state_dict,
-    unset_tensors,
 )
 from service.engine.transform import Transform
+from service.engine.weights import load_state_dict, unset_tensors
 
 log = logging.getLogger(__name__)
 
@@ -109,7 +107,7 @@ class ClipText:
         return proj(x) if isinstance(proj, nn.Linear) else x @ proj
 
 
-def load(arch: str, weights: str, *, device: torch.device, dtype: torch.dtype = torch.float32) -> LoadedModel:
+def load(arch: str, weights: str, *, device: torch.device) -> LoadedModel:
     started = time.perf_counter()
     if arch not in architectures():
         raise ModelLoadError(f"GREENSERVE_MODEL=open_clip:{arch} is not an open_clip architecture; try "
@@ -120,16 +118,22 @@ def load(arch: str, weights: str, *, device: torch.device, dtype: torch.dtype = 
     text = ClipText(clip, open_clip.get_tokenizer(arch))
     scale = float(clip.logit_scale.detach().exp()) if getattr(clip, "logit_scale", None) is not None else 100.0
     bias = float(clip.logit_bias.detach()) if getattr(clip, "logit_bias", None) is not None else 0.0
-    info = ModelInfo(f"open_clip:{arch}", TASKS, None, (), str(device), dtype_name(dtype), source, transform, format="open_clip",
+    info = ModelInfo(f"open_clip:{arch}", TASKS, None, (), str(device), "float32", source, transform, format="open_clip",
                      family="open_clip", towers=("image", "text"), context_length=text.context_length,
                      logit_scale=scale, logit_bias=bias)
     # channels_last does nothing for a ViT (one patchifying conv, then matmuls): measured in BENCHMARKS
-    model = LoadedModel(info=info, module=ImageTower(clip), device=device, dtype=dtype, channels_last=False,
-                        text=text, features_only=True)
+    model = LoadedModel(info=info, module=ImageTower(clip), device=device, channels_last=False,
+                        text=text, features_only=True, tower_roots=tower_roots(clip))
     feats, _ = model.forward(np.zeros((1, transform.crop_size, transform.crop_size, 3), np.uint8))
     assert feats is not None
     model.info = dataclasses.replace(info, embedding_dim=feats.shape[1], load_seconds=time.perf_counter() - started)
     return model
+
+
+def tower_roots(clip: nn.Module) -> dict[str, tuple[nn.Module, tuple[str, ...]]]:
+    """What each tower casts for "cast once": the image tower is ``visual``; the text tower is the rest, less
+    the logit scale and bias (scalars read once into ``ModelInfo``, kept float32)."""
+    return {"image": (clip.get_submodule("visual"), ()), "text": (clip, ("visual.", "logit_scale", "logit_bias"))}
 
 
 def _build(arch: str, weights: str) -> tuple[nn.Module, str, dict[str, Any]]:

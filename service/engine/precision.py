@@ -1,22 +1,29 @@
-"""Which dtype a worker serves in. ``GREENSERVE_DTYPE=auto`` (the default) takes a lower precision only
-where the hardware runs it natively *and* a probe batch shows it gives the same answers as float32:
+"""Which numerics each tower of a worker's model serves in. ``GREENSERVE_DTYPE=auto`` (the default) takes a
+lower precision only where the hardware runs it natively, it gives the same answers as float32 *and* it is
+faster, measured:
 
     hardware                                candidate    else
     CUDA, compute capability >= 8.0         bfloat16     float32
     CUDA 7.x (tensor cores, no bf16)        float16      float32
     CPU with AMX (amx_bf16) or avx512_bf16  bfloat16     float32
-    any other CPU                           none         float32, no probe (bf16 would be emulated: slower)
+    any other CPU                           none         float32, no trial (bf16 would be emulated: slower)
 
-The probe (``PROBE_IMAGES`` photo-like crops, and ``PROBE_TEXTS`` for a text tower) runs in float32 and in
-the candidate; the candidate is kept only if every embedding has cosine >= ``MIN_COSINE`` to its float32
-one and every image has the same top-1 class. A pinned value (float32, bfloat16, float16) is served as
-given, unprobed. Runs in the worker's inference thread, before warm-up.
+Each tower (image, and text where there is one) tries the candidate two ways, weights cast once and
+autocast (``casting.Numerics``), against float32, warm, at the batch sizes its batcher forms (1, a middle
+size, the max batch), in ascending order, on photo-like probe crops (``PROBE_TEXTS`` for a text tower). A
+trial is kept only if every output has cosine >= ``MIN_COSINE`` to float32's, every image the same top-1
+class, and its time over the sizes is ``MIN_SPEEDUP`` x float32's or better; the fastest kept one serves,
+else float32. A trial stops early once it can no longer be fast enough (``_hopeless``). A pinned value
+(float32, bfloat16, float16) is served as given, weights cast once, untried. Runs in the worker's inference
+thread, before warm-up.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -24,56 +31,105 @@ from typing import Any
 import numpy as np
 import torch
 
+from service.engine.casting import FLOAT32, Numerics
 from service.engine.model import LoadedModel, dtype_name
 
 log = logging.getLogger(__name__)
 
 MIN_COSINE = 0.9999
+MIN_SPEEDUP = 1.15  # a lower precision must earn its rounding: timing noise between runs here is ~5-10%
 PROBE_IMAGES = 8
 PROBE_TEXTS = ("a photo of a dog.", "a photo of a cat on a sofa.", "a city street at night.", "a bowl of fruit.")
 CPU_BF16_FLAGS = ("amx_bf16", "avx512_bf16")
 
+# (tower, numerics, batch size, run the forward) -> (its outputs, seconds); tests inject the seconds
+Timer = Callable[[str, Numerics, int, Callable[[], Any]], tuple[Any, float]]
+
+
+def wall_clock(tower: str, numerics: Numerics, size: int, run: Callable[[], Any]) -> tuple[Any, float]:
+    started = time.perf_counter()
+    out = run()
+    return out, time.perf_counter() - started
+
+
+def batch_sizes(max_batch: int) -> tuple[int, ...]:
+    """The sizes a batcher with ``max_batch`` forms that a trial times: 1, a quarter, the max."""
+    return tuple(sorted({1, max(1, max_batch // 4), max_batch}))
+
 
 @dataclass(frozen=True)
-class Probe:
-    """float32 against the candidate on the probe batch."""
+class Trial:
+    """One lower-precision way of running a tower, against float32 at the same batch sizes."""
 
-    candidate: str
-    images: int
-    min_cosine: float  # embeddings (or, for a logits-only model, logits), the worst image or text
-    top1_same: int | None  # images whose top-1 class matched; None for a model without logits
-    ms_float32: float
-    ms_candidate: float
+    numerics: str  # Numerics.name
+    sizes: tuple[int, ...]  # the sizes it was timed at: fewer than the tower's when it stopped early
+    ms: tuple[float, ...]
+    ms_float32: tuple[float, ...]  # float32's at the same sizes
+    min_cosine: float | None  # outputs against float32's, over every probe input it ran
+    top1_same: int | None  # images whose top-1 class matched; None for a model without logits, or texts
+    compared: int  # outputs compared
+    error: str | None = None  # the candidate could not run (its forward raised)
+
+    @property
+    def speedup(self) -> float:
+        return sum(self.ms_float32) / sum(self.ms) if self.ms and sum(self.ms) > 0 else 0.0
 
     @property
     def agrees(self) -> bool:
-        return self.min_cosine >= MIN_COSINE and self.top1_same in (None, self.images)
+        return (self.error is None and self.min_cosine is not None and self.min_cosine >= MIN_COSINE
+                and self.top1_same in (None, self.compared))
+
+    def kept(self, all_sizes: tuple[int, ...]) -> bool:
+        return self.agrees and self.sizes == all_sizes and self.speedup >= MIN_SPEEDUP
 
     def text(self) -> str:
-        top1 = "" if self.top1_same is None else f", top-1 same on {self.top1_same}/{self.images}"
-        return (f"probe of {self.images} images: min cosine {self.min_cosine:.6f} (needs >= {MIN_COSINE}){top1}; "
-                f"{self.ms_float32:.0f} ms float32, {self.ms_candidate:.0f} ms {self.candidate}")
+        if self.error is not None:
+            return f"{self.numerics} failed: {self.error}"
+        ms = "+".join(f"{m:.0f}" for m in self.ms)
+        ms32 = "+".join(f"{m:.0f}" for m in self.ms_float32)
+        top1 = "" if self.top1_same is None else f", top-1 same {self.top1_same}/{self.compared}"
+        cosine = "n/a" if self.min_cosine is None else f"{self.min_cosine:.6f}"
+        return (f"{self.numerics} {ms} ms vs float32 {ms32} ms at batch {'/'.join(map(str, self.sizes))} "
+                f"= {self.speedup:.2f}x (needs >= {MIN_SPEEDUP}x), min cosine {cosine} (needs >= {MIN_COSINE})"
+                f"{top1}")
+
+    def public(self) -> dict[str, Any]:
+        return {"numerics": self.numerics, "sizes": list(self.sizes), "ms": [round(m, 1) for m in self.ms],
+                "ms_float32": [round(m, 1) for m in self.ms_float32], "speedup": round(self.speedup, 3),
+                "min_cosine": None if self.min_cosine is None else round(self.min_cosine, 7),
+                "top1_same": self.top1_same, "compared": self.compared, "agrees": self.agrees, "error": self.error}
+
+
+@dataclass(frozen=True)
+class TowerChoice:
+    tower: str  # image | text
+    numerics: str  # what it serves in (Numerics.name)
+    reason: str
+    sizes: tuple[int, ...] = ()
+    trials: tuple[Trial, ...] = ()
+
+    def public(self) -> dict[str, Any]:
+        return {"numerics": self.numerics, "reason": self.reason, "sizes": list(self.sizes),
+                "trials": [t.public() for t in self.trials]}
 
 
 @dataclass(frozen=True)
 class Precision:
-    """The dtype a worker serves in, and why: ``ModelInfo.precision``, in ``/v1/models`` and the start-up log."""
+    """What a worker serves in, and why: ``ModelInfo.precision``, in ``/v1/models`` and the start-up log."""
 
     requested: str  # GREENSERVE_DTYPE
-    chosen: str
+    chosen: str  # the image tower's dtype
     hardware: str  # what the choice was made on: "cpu avx2", "cpu avx512_bf16", "cuda sm_90 NVIDIA H200"
     reason: str
-    probe: Probe | None = None
+    towers: tuple[TowerChoice, ...] = ()
+
+    def tower(self, name: str) -> TowerChoice | None:
+        return next((t for t in self.towers if t.tower == name), None)
 
     def public(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"requested": self.requested, "chosen": self.chosen, "hardware": self.hardware,
-                               "reason": self.reason, "min_cosine": MIN_COSINE}
-        if self.probe is not None:
-            p = self.probe
-            out["probe"] = {"candidate": p.candidate, "images": p.images, "min_cosine": round(p.min_cosine, 7),
-                            "top1_same": p.top1_same, "ms_float32": round(p.ms_float32, 1),
-                            "ms_candidate": round(p.ms_candidate, 1)}
-        return out
+        return {"requested": self.requested, "chosen": self.chosen, "hardware": self.hardware,
+                "reason": self.reason, "min_cosine": MIN_COSINE, "min_speedup": MIN_SPEEDUP,
+                "towers": {t.tower: t.public() for t in self.towers}}
 
 
 def cpu_flags() -> frozenset[str]:
@@ -108,63 +164,132 @@ def candidate_for(device: torch.device, cpu_bf16: str = "auto",
     return None, hardware + (" (GREENSERVE_CPU_BF16=no)" if cpu_bf16 == "no" else "")
 
 
-def settle(model: LoadedModel, requested: str, *, cpu_bf16: str = "auto",
-           flags: frozenset[str] | None = None) -> Precision:
-    """Set ``model``'s serving dtype from ``requested`` (``GREENSERVE_DTYPE``); log and record why."""
+def settle(model: LoadedModel, requested: str, *, cpu_bf16: str = "auto", flags: frozenset[str] | None = None,
+           image_sizes: tuple[int, ...] = (1, 8, 32), text_sizes: tuple[int, ...] = (1, 16, 64),
+           timer: Timer = wall_clock) -> Precision:
+    """Set each of ``model``'s towers' numerics from ``requested`` (``GREENSERVE_DTYPE``); log and record why.
+    ``image_sizes``/``text_sizes``: the batch sizes to time (``batch_sizes`` of the batchers' maxima)."""
     candidate, hardware = candidate_for(model.device, cpu_bf16, flags)
+    sizes = {"image": image_sizes, "text": text_sizes}
     if requested != "auto":
-        precision = Precision(requested, requested, hardware, "pinned by GREENSERVE_DTYPE")
-        model.dtype = getattr(torch, requested)
+        pinned = Numerics(getattr(torch, requested), cast=requested != "float32")
+        choices = [_serve(model, tower, pinned, "pinned by GREENSERVE_DTYPE") for tower in model.towers]
+        reason = "pinned by GREENSERVE_DTYPE"
+    elif candidate is None:
+        why = f"{hardware}: no native bfloat16 or float16 (it would be emulated, slower than float32), so float32"
+        choices = [_serve(model, tower, FLOAT32, why) for tower in model.towers]
+        reason = why
     else:
-        precision = _choose(model, candidate, hardware)
+        choices = [_choose(model, tower, candidate, sizes[tower], timer) for tower in model.towers]
+        reason = f"{hardware}: " + "; ".join(f"{c.tower} tower {c.reason}" for c in choices)
+    model.release_float32()
+    precision = Precision(requested, dtype_name(model.dtype), hardware, reason, tuple(choices))
     model.info = replace(model.info, dtype=precision.chosen, precision=precision)
-    log.info("serving in %s (GREENSERVE_DTYPE=%s): %s", precision.chosen, requested, precision.reason)
+    log.info("serving in %s (GREENSERVE_DTYPE=%s): %s", ", ".join(f"{c.tower} {c.numerics}" for c in choices),
+             requested, reason)
     return precision
 
 
-def _choose(model: LoadedModel, candidate: torch.dtype | None, hardware: str) -> Precision:
-    if candidate is None:
-        model.dtype = torch.float32
-        return Precision("auto", "float32", hardware, f"{hardware}: no native bfloat16 or float16 (it would be "
-                         "emulated, slower than float32), so float32")
-    probe = run_probe(model, candidate)
-    name = dtype_name(candidate)
-    if probe.agrees:
-        model.dtype = candidate
-        return Precision("auto", name, hardware, f"{hardware}: {name} agreed with float32 ({probe.text()})", probe)
-    model.dtype = torch.float32
-    return Precision("auto", "float32", hardware, f"{hardware}: {name} disagreed with float32 ({probe.text()}), "
-                     "so float32", probe)
+def _serve(model: LoadedModel, tower: str, numerics: Numerics, reason: str, sizes: tuple[int, ...] = (),
+           trials: Sequence[Trial] = ()) -> TowerChoice:
+    model.set_numerics(tower, numerics)
+    return TowerChoice(tower, numerics.name, reason, sizes, tuple(trials))
 
 
-def run_probe(model: LoadedModel, candidate: torch.dtype) -> Probe:
-    """The probe batch through ``model`` in float32 and in ``candidate``; leaves ``model.dtype`` as it was."""
-    pixels = probe_pixels(model.info.transform.crop_size)
-    kept = model.dtype
+def _choose(model: LoadedModel, tower: str, candidate: torch.dtype, sizes: tuple[int, ...],
+            timer: Timer) -> TowerChoice:
+    inputs = _probe_inputs(model, tower, max(sizes))
+    reference = _timed_sizes(model, tower, FLOAT32, inputs, sizes, timer)
+    if reference.error is not None:
+        raise RuntimeError(f"the {tower} tower fails in float32: {reference.error}")
+    trials = [_compare(numerics, _timed_sizes(model, tower, numerics, inputs, sizes, timer, reference), reference)
+              for numerics in (Numerics(candidate, cast=True), Numerics(candidate, cast=False))]
+    kept = [t for t in trials if t.kept(sizes)]
+    if not kept:
+        return _serve(model, tower, FLOAT32, "float32: " + "; ".join(_refusal(t) for t in trials), sizes, trials)
+    best = max(kept, key=lambda t: t.speedup)
+    reason = "; ".join([f"{best.numerics}: {best.text()}"] + [_refusal(t) for t in trials if t is not best])
+    return _serve(model, tower, Numerics(candidate, cast=best.numerics.endswith("cast once")), reason, sizes,
+                  trials)
+
+
+def _refusal(trial: Trial) -> str:
+    if trial.error is not None:
+        return trial.text()
+    if not trial.agrees:
+        return f"{trial.text()}: disagreed with float32"
+    if trial.speedup < MIN_SPEEDUP:
+        return f"{trial.text()}: agreed but {'slower' if trial.speedup < 1 else 'not enough faster'}"
+    return f"{trial.text()}: kept, slower than the one chosen"
+
+
+@dataclass
+class _Run:
+    sizes: list[int]
+    ms: list[float]
+    outputs: list[tuple[Any, Any]]  # (features or text embeddings, logits) per size
+    error: str | None = None
+
+
+def _timed_sizes(model: LoadedModel, tower: str, numerics: Numerics, inputs: np.ndarray, sizes: tuple[int, ...],
+                 timer: Timer, reference: _Run | None = None) -> _Run:
+    """``tower`` in ``numerics``: one untimed call (weight casts, first allocations), then each size once,
+    ascending. Against a ``reference`` (float32's run) it stops before a size once it cannot reach
+    ``MIN_SPEEDUP`` even if it ran the remaining sizes twice as fast, relative to float32, as it did so far."""
+    run = _Run([], [], [])
     try:
-        (f32, logits32), ms32 = _timed(model, torch.float32, pixels)
-        (low, logits_low), ms_low = _timed(model, candidate, pixels)
-        cosines = [_min_cosine(f32, low) if f32 is not None else _min_cosine(logits32, logits_low)]
-        if model.text is not None:
-            ids = model.tokenize(PROBE_TEXTS).ids
-            model.dtype = torch.float32
-            t32 = model.encode_text(ids)
-            model.dtype = candidate
-            cosines.append(_min_cosine(t32, model.encode_text(ids)))
-    finally:
-        model.dtype = kept
-    top1 = None
-    if logits32 is not None and logits_low is not None:
-        top1 = int((logits32.argmax(dim=1) == logits_low.argmax(dim=1)).sum())
-    return Probe(dtype_name(candidate), len(pixels), min(cosines), top1, ms32, ms_low)
+        model.set_numerics(tower, numerics)
+        forward = _forward_of(model, tower)
+        forward(inputs[:1])
+        for i, size in enumerate(sizes):
+            if reference is not None and i and _hopeless(run.ms, reference.ms):
+                break
+            out, seconds = timer(tower, numerics, size, functools.partial(forward, inputs[:size]))
+            run.sizes.append(size)
+            run.ms.append(seconds * 1000)
+            run.outputs.append(out)
+    except (RuntimeError, TypeError, ValueError, NotImplementedError) as exc:  # an op without this dtype
+        log.warning("%s tower in %s failed: %s", tower, numerics.name, exc)
+        run.error = f"{type(exc).__name__}: {str(exc)[:200]}"
+    return run
 
 
-def _timed(model: LoadedModel, dtype: torch.dtype, pixels: np.ndarray) -> tuple[tuple[Any, Any], float]:
-    model.dtype = dtype
-    model.forward(pixels[:1])  # the first call at a dtype pays for kernel selection and weight casts
-    started = time.perf_counter()
-    out = model.forward(pixels)
-    return out, (time.perf_counter() - started) * 1000
+def _hopeless(ms: list[float], ms_float32: list[float]) -> bool:
+    spent, done = sum(ms), len(ms)
+    ratio = sum(ms_float32[:done]) / spent if spent > 0 else float("inf")
+    best_case = spent + sum(ms_float32[done:]) / (2 * ratio)
+    return best_case > sum(ms_float32) / MIN_SPEEDUP
+
+
+def _forward_of(model: LoadedModel, tower: str) -> Callable[[np.ndarray], tuple[Any, Any]]:
+    if tower == "text":
+        return lambda ids: (model.encode_text(ids), None)
+    return model.forward
+
+
+def _compare(numerics: Numerics, run: _Run, reference: _Run) -> Trial:
+    ms32 = tuple(reference.ms[:len(run.ms)])
+    if run.error is not None:
+        return Trial(numerics.name, tuple(run.sizes), tuple(run.ms), ms32, None, None, 0, run.error)
+    cosines, same, compared, with_logits = [], 0, 0, False
+    for (low, logits_low), (f32, logits32) in zip(run.outputs, reference.outputs, strict=False):  # run may have stopped early
+        a, b = (f32, low) if f32 is not None else (logits32, logits_low)
+        cosines.append(_min_cosine(a, b))
+        compared += int(a.shape[0])
+        if logits32 is not None and logits_low is not None:
+            with_logits = True
+            same += int((logits32.argmax(dim=1) == logits_low.argmax(dim=1)).sum())
+    return Trial(numerics.name, tuple(run.sizes), tuple(run.ms), ms32, min(cosines) if cosines else None,
+                 same if with_logits else None, compared)
+
+
+def _probe_inputs(model: LoadedModel, tower: str, n: int) -> np.ndarray:
+    """``n`` probe inputs for ``tower``: the probe crops (or texts' token ids) repeated."""
+    if tower == "text":
+        base = model.tokenize(PROBE_TEXTS).ids
+    else:
+        base = probe_pixels(model.info.transform.crop_size)
+    return base[np.arange(n) % len(base)]
 
 
 def _min_cosine(a: torch.Tensor | None, b: torch.Tensor | None) -> float:

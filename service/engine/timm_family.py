@@ -19,8 +19,9 @@ import timm
 import torch
 from torch import nn
 
-from service.engine.model import RANDOM_SEED, LoadedModel, ModelInfo, ModelLoadError, dtype_name, load_state_dict, unset_tensors
+from service.engine.model import RANDOM_SEED, LoadedModel, ModelInfo, ModelLoadError
 from service.engine.transform import Transform
+from service.engine.weights import load_state_dict, unset_tensors
 
 log = logging.getLogger(__name__)
 
@@ -40,8 +41,7 @@ class Backbone(nn.Module):
         return net.forward_head(feats, pre_logits=True), net.forward_head(feats)
 
 
-def load(name: str, weights: str, *, device: torch.device, channels_last: bool = True,
-         dtype: torch.dtype = torch.float32) -> LoadedModel:
+def load(name: str, weights: str, *, device: torch.device, channels_last: bool = True) -> LoadedModel:
     started = time.perf_counter()
     if name not in timm.list_models():
         raise ModelLoadError(f"GREENSERVE_MODEL=timm:{name} is not a timm model; try timm:resnet50, "
@@ -53,9 +53,9 @@ def load(name: str, weights: str, *, device: torch.device, channels_last: bool =
     transform = _transform(timm.data.resolve_data_config({}, model=net))
     n_classes = int(getattr(net, "num_classes", 0))
     labels = _labels(n_classes)
-    info = ModelInfo(f"timm:{name}", ("embeddings", "classify"), None, labels, str(device), dtype_name(dtype), source,
+    info = ModelInfo(f"timm:{name}", ("embeddings", "classify"), None, labels, str(device), "float32", source,
                      transform, format="timm", family="timm")
-    model = LoadedModel(info=info, module=Backbone(net), device=device, dtype=dtype, channels_last=channels_last)
+    model = LoadedModel(info=info, module=Backbone(net), device=device, channels_last=channels_last)
     feats, _ = model.forward(np.zeros((1, transform.crop_size, transform.crop_size, 3), np.uint8))
     assert feats is not None
     model.info = dataclasses.replace(info, embedding_dim=feats.shape[1], load_seconds=time.perf_counter() - started)

@@ -20,8 +20,9 @@ import torchvision
 from torch import nn
 from torchvision.models import get_model_builder, get_model_weights, list_models
 
-from service.engine.model import RANDOM_SEED, LoadedModel, ModelInfo, ModelLoadError, dtype_name, load_state_dict, unset_tensors
+from service.engine.model import RANDOM_SEED, LoadedModel, ModelInfo, ModelLoadError
 from service.engine.transform import Transform
+from service.engine.weights import load_state_dict, unset_tensors
 
 log = logging.getLogger(__name__)
 
@@ -66,8 +67,7 @@ def _module_for(name: str, weights: str, device: torch.device) -> tuple[nn.Modul
     return _from_state_dict(name, load_state_dict(weights)), weights, "torchvision"
 
 
-def load(name: str, weights: str, *, device: torch.device, channels_last: bool = True,
-         dtype: torch.dtype = torch.float32) -> LoadedModel:
+def load(name: str, weights: str, *, device: torch.device, channels_last: bool = True) -> LoadedModel:
     """Load ``name`` with ``weights`` = auto | imagenet | random | path (state dict or TorchScript)."""
     started = time.perf_counter()
     if name not in classification_models():
@@ -90,8 +90,8 @@ def load(name: str, weights: str, *, device: torch.device, channels_last: bool =
                      "`greenserve export` writes a checkpoint that is shared instead", name)
         # a no-op (no private copy) when the checkpoint was exported in channels_last already
         module = module.to(memory_format=torch.channels_last)
-    info = ModelInfo(name, (), None, labels, str(device), dtype_name(dtype), source, transform, format=fmt)
-    model = LoadedModel(info=info, module=module, device=device, dtype=dtype, channels_last=channels_last)
+    info = ModelInfo(name, (), None, labels, str(device), "float32", source, transform, format=fmt)
+    model = LoadedModel(info=info, module=module, device=device, channels_last=channels_last)
     feats, logits = model.forward(np.zeros((1, transform.crop_size, transform.crop_size, 3), np.uint8))
     assert logits is not None  # every torchvision classifier has its head
     if logits.shape[1] != len(labels):

@@ -1,0 +1,33 @@
+"""Weight files: a state dict (``torch.save`` or ``.safetensors``) mapped from disk, so the workers share its
+pages through the page cache, and the check that a model built on the meta device got every tensor."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from service.engine.model import ModelLoadError
+
+
+def load_state_dict(path: str) -> dict[str, torch.Tensor]:
+    """A state dict file (``torch.save`` or ``.safetensors``), memory-mapped (workers share its pages),
+    ``module.`` prefixes dropped."""
+    if path.endswith(".safetensors"):
+        from safetensors.torch import load_file
+
+        return {k.removeprefix("module."): v for k, v in load_file(path).items()}
+    try:
+        state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+    except (RuntimeError, OSError, ValueError, EOFError) as exc:
+        raise ModelLoadError(f"cannot read weights file {path!r} as a state dict or TorchScript ({exc}); "
+                             "save it with torch.save(model.state_dict(), path)") from exc
+    if isinstance(state, dict) and isinstance(state.get("state_dict"), dict):
+        state = state["state_dict"]
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise ModelLoadError(f"{path!r} does not hold a state dict of tensors")
+    return {k.removeprefix("module."): v for k, v in state.items()}
+
+
+def unset_tensors(model: nn.Module) -> list[str]:
+    """Parameters and buffers still on the meta device (the weights file did not set them)."""
+    return [n for n, t in (*model.named_parameters(), *model.named_buffers()) if t.is_meta]
