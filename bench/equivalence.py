@@ -21,6 +21,10 @@ from typing import Any
 import numpy as np
 
 TOLERANCE = {"cosine": 0.999, "centered_cosine": 0.999, "max_abs_diff": 5e-4}
+# a server that chose bfloat16/float16 (GREENSERVE_DTYPE=auto on native hardware): its trial kept it at
+# cosine >= 0.9999 on probe crops; different photos stay far below these (centered ~0.7, diff >= 2e-3 is
+# not asked of it) and each photo must still be nearest its own reference
+LOW_PRECISION = {"cosine": 0.999, "centered_cosine": 0.95, "max_abs_diff": 1.0}
 
 
 @dataclass(frozen=True)
@@ -36,8 +40,8 @@ class Check:
         return asdict(self)
 
 
-def compare(emb: np.ndarray, ref: np.ndarray) -> Check:
-    """Compare ``emb`` (images x dim) with ``ref`` row by row, within ``TOLERANCE``."""
+def compare(emb: np.ndarray, ref: np.ndarray, tolerance: dict[str, float] = TOLERANCE) -> Check:
+    """Compare ``emb`` (images x dim) with ``ref`` row by row, within ``tolerance``."""
     if emb.shape != ref.shape:
         return Check(int(emb.shape[0]), 0.0, 0.0, float("inf"), False, False)
     a, b = _unit(emb), _unit(ref)
@@ -47,8 +51,8 @@ def compare(emb: np.ndarray, ref: np.ndarray) -> Check:
     centered = np.sum(ca * cb, axis=1)
     diff = float(np.abs(a - b).max())
     nearest = bool(np.all(np.argmax(ca @ cb.T, axis=1) == np.arange(len(b)))) if len(b) > 1 else True
-    ok = (float(cos.min()) >= TOLERANCE["cosine"] and float(centered.min()) >= TOLERANCE["centered_cosine"]
-          and diff <= TOLERANCE["max_abs_diff"] and nearest)
+    ok = (float(cos.min()) >= tolerance["cosine"] and float(centered.min()) >= tolerance["centered_cosine"]
+          and diff <= tolerance["max_abs_diff"] and nearest)
     return Check(int(len(b)), round(float(cos.min()), 6), round(float(centered.min()), 6), diff, nearest, ok)
 
 

@@ -11,7 +11,7 @@ import gevent.event
 import gevent.pool
 
 from service.balance.board import UNAVAILABLE, LoadBoard, Seat
-from service.balance.gate import ARRIVAL_WINDOW_S, Balance, Policy
+from service.balance.gate import ARRIVAL_WINDOW_S, BORROW_QUIET_S, Balance, Policy
 from service.balance.gunicorn_worker import GatedStreamServer
 
 
@@ -155,6 +155,27 @@ def test_siblings_idle_is_the_engines_view_of_the_board() -> None:
     board.release(sibling)
     assert balance.siblings_idle()
     assert not Balance(None, Policy()).siblings_idle()  # outside gunicorn nothing is known
+
+
+def test_borrowing_pauses_for_a_while_after_two_workers_had_requests_at_once() -> None:
+    balance, board, sibling, _, clock = pair()
+    with balance.inference():  # alone: no overlap seen
+        pass
+    assert balance.siblings_idle()
+    board.publish(sibling, 1, 0)
+    with balance.inference():  # starts while the sibling has a request: the board remembers
+        pass
+    board.publish(sibling, 0, 0)
+    assert not balance.siblings_idle()  # the sibling is idle now, but two clients are about
+    clock.now += BORROW_QUIET_S - 0.1
+    assert not balance.siblings_idle()
+    clock.now += 0.2
+    assert balance.siblings_idle()
+    board.publish(sibling, UNAVAILABLE, 0)  # a loading sibling is no overlap, though it counts as busy
+    with balance.inference():
+        pass
+    board.publish(sibling, 0, 0)
+    assert balance.siblings_idle()
 
 
 def _connect(port: int) -> socket.socket:

@@ -19,6 +19,8 @@ class LoadBoard:
         self._load = multiprocessing.RawArray("i", slots)
         self._kept = multiprocessing.RawArray("i", slots)
         self._top = multiprocessing.RawValue("i", 0)  # slots in use are below this: reads scan only those
+        # when a worker last started a request while a sibling had one (CLOCK_MONOTONIC: one clock per host)
+        self._overlap_at = multiprocessing.RawValue("d", float("-inf"))
 
     def claim(self) -> int:
         """Master, before fork: the first free slot, marked alive and unavailable until its model is ready."""
@@ -35,6 +37,13 @@ class LoadBoard:
 
     def publish(self, slot: int, load: int, kept: int) -> None:
         self._load[slot], self._kept[slot] = load, kept
+
+    def mark_overlap(self, now: float) -> None:
+        self._overlap_at.value = now
+
+    def overlap_at(self) -> float:
+        """When two workers last had requests at once (``-inf``: never)."""
+        return float(self._overlap_at.value)
 
     def siblings(self, slot: int) -> list[tuple[int, int]]:
         """(load, kept connections) of every other live worker."""

@@ -38,6 +38,10 @@ TICK_S = 0.02  # how often the decision is re-applied from the siblings' loads
 # How long a new connection counts as load before its first request. A burst of connections then spreads
 # (8 connections that sent nothing for 0.3 s went 4/4); idle ones stop steering clients after it.
 ARRIVAL_WINDOW_S = 1.0
+# After two workers last had requests at once, how long none borrows its siblings' cores: a sibling that
+# starts a forward during a borrowed one puts 3 torch threads on 2 cores, and libgomp's barriers stall both
+# (at 2 clients: p99 140-177 ms borrowing, 36-39 ms not). One client at a time keeps borrowing.
+BORROW_QUIET_S = 2.0
 
 
 class Listener(Protocol):
@@ -150,6 +154,8 @@ class Balance:
         """Count one inference request in progress (parsing included): what siblings see as load."""
         self._requests += 1
         self.apply()
+        if self._seat is not None and any(0 < load < UNAVAILABLE for load, _ in self._seat.board.siblings(self.slot)):
+            self._seat.board.mark_overlap(self._clock())
         try:
             yield
         finally:
@@ -163,8 +169,11 @@ class Balance:
     # ------------------------------------------------------------------ the view the engine reads
 
     def siblings_idle(self) -> bool:
-        """No live sibling has load (false without a board: outside gunicorn nothing is known)."""
-        return self._seat is not None and not any(load for load, _ in self._seat.board.siblings(self.slot))
+        """No live sibling has load, and none had while another did for ``BORROW_QUIET_S`` (false without a
+        board: outside gunicorn nothing is known)."""
+        if self._seat is None or any(load for load, _ in self._seat.board.siblings(self.slot)):
+            return False
+        return self._clock() - self._seat.board.overlap_at() > BORROW_QUIET_S
 
     # ------------------------------------------------------------------ the decision
 
