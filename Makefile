@@ -12,7 +12,7 @@ help:
 	@echo "make serve    create .venv, install, start gunicorn -k gevent on \$$GREENSERVE_BIND (127.0.0.1:8000)"
 	@echo "make test     create .venv, install, run the test suite"
 	@echo "make lint     ruff (lint + import order) and mypy on service/"
-	@echo "make compare  gevent vs asyncio comparison (QUICK=1 for a short run; MODEL=open_clip:ViT-B-32 for CLIP)"
+	@echo "make compare  gevent vs asyncio on the seed's CLIP ViT-B/32 (QUICK=1 for a short resnet18 run; MODEL=resnet50)"
 	@echo "make dtype    float32 vs bfloat16, bare and served with GREENSERVE_DTYPE=auto/float32 (QUICK=1, MODEL=, DTYPES=auto,float32, BF16=1 adds a pinned bfloat16 server)"
 
 $(BIN)/python:

@@ -17,7 +17,6 @@ import base64
 import contextlib
 import http.client
 import json
-import os
 import statistics
 import sys
 import threading

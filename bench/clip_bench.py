@@ -1,14 +1,17 @@
 """CLIP's own benchmarks: what speeds a ViT up on this CPU, and text embeddings per second through the server.
 
-``python -m bench.clip_bench [--model open_clip:ViT-B-32] [--only speed text]``
+``python -m bench.clip_bench [--model open_clip:ViT-B-32] [--only speed shapes text]``
 
 - speed: the model alone, in this process (torch on every core), timed in alternation, each variant against
   the serving default at the same batch: image batch size 1/8/32; channels_last; the attention fast path
   (``nn.MultiheadAttention``'s fused SDPA kernel) off; bf16 autocast and cast once at 1/8/32; texts trimmed to the batch's longest
   (the default) vs the full 77-token context. Outputs are compared with the default's (cosine).
-- text: a real ``gunicorn -k gevent`` (default workers) serving the model; texts/s and request latency for
-  1, 16 and 256 texts per request, closed loop with 4 clients, against the text tower alone (bare: batches
-  of 64, every core) on the same texts.
+- shapes: what a batch size not run before costs (first call against a repeat), float32 and bf16 cast once,
+  to decide whether the batcher should round sizes up to a few buckets.
+- text: a real ``gunicorn -k gevent`` (default workers) serving the model; one-text requests one after
+  another (an album search's query) against the bare one-text forward; then texts/s and request latency
+  for 1, 16 and 256 texts per request, closed loop with 4 clients, against the text tower alone (bare:
+  batches of 64, every core) on the same texts.
 
 Prints the command, the machine and a table per section; writes bench/out/clip.json.
 """
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import http.client
 import json
 import statistics
 import sys
@@ -36,6 +40,7 @@ from bench.report import start
 from harness.launch import GunicornServer
 
 OUT = Path("bench/out")
+ONE_TEXT_REQUESTS = 60  # one-text requests (and bare forwards), one after another; the first 5 not counted
 ROUNDS = 3  # default, variant, default, variant ...: medians compared
 WORDS = ("photo dog cat beach mountain sunset city street car child birthday cake snow forest river "
          "friends dinner concert garden flowers bicycle train airport museum painting night lights").split()
@@ -109,6 +114,44 @@ def speed(model_name: str, weights: Path, cores: int) -> list[dict[str, Any]]:
     return rows
 
 
+def shapes(model_name: str, weights: Path, cores: int) -> list[dict[str, Any]]:
+    """What a batch size the tower has not run yet costs, in float32 and bf16 cast once: every size 1-32 in a
+    shuffled order, its first call then a repeat; bucketing sizes would pay only if first calls cost more
+    than the padding a bucket adds (to the next power of two: about a quarter more images on average)."""
+    import torch
+
+    from service.engine.casting import FLOAT32, Numerics
+    from service.engine.model import load_model
+
+    torch.set_num_threads(cores)
+    model = load_model(model_name, str(weights))
+    crop = model.info.transform.crop_size
+    pixels = np.random.default_rng(0).integers(0, 255, (32, crop, crop, 3), dtype=np.uint8)
+    order = np.random.default_rng(1).permutation(np.arange(1, 33))
+    rows = []
+    for numerics in (FLOAT32, Numerics(torch.bfloat16, cast=True)):
+        model.set_numerics("image", numerics)
+        model.forward(pixels[:1])
+        first, repeat = [], []
+        for n in order[:12]:  # 12 sizes: enough to see a per-shape cost, bounded in time
+            first.append(_once(model, pixels[:n]))
+            repeat.append(_once(model, pixels[:n]))
+        extra = [(f - r) * 1000 for f, r in zip(first, repeat, strict=True)]
+        rows.append({"numerics": numerics.name, "sizes": len(first), "first call ms (mean)":
+                     round(statistics.mean(first) * 1000, 1), "repeat ms (mean)": round(statistics.mean(repeat) * 1000, 1),
+                     "first - repeat ms (median)": round(statistics.median(extra), 1),
+                     "first / repeat": round(sum(first) / sum(repeat), 3)})
+        print(json.dumps(rows[-1]), flush=True)
+    model.set_numerics("image", FLOAT32)
+    return rows
+
+
+def _once(model: Any, pixels: np.ndarray) -> float:
+    t0 = time.perf_counter()
+    model.forward(pixels)
+    return time.perf_counter() - t0
+
+
 def _text_trim(model: Any, reps: int) -> dict[str, Any]:
     """The served text forward (trimmed to the longest text) vs open_clip's encode_text at 77 tokens."""
     import torch
@@ -131,7 +174,9 @@ def _text_trim(model: Any, reps: int) -> dict[str, Any]:
             "ratio": round(t_trim / t_full, 3), "min_cosine": round(_cos(trimmed(), full()), 6)}
 
 
-def bare_texts(model_name: str, weights: Path, cores: int, texts: list[str]) -> float:
+def bare_texts(model_name: str, weights: Path, cores: int, texts: list[str]) -> tuple[float, float]:
+    """The text tower alone on every core: texts/s in batches of 64, and the median ms of one-text forwards
+    (one query, as an album search sends it)."""
     import torch
 
     from service.engine.model import load_model
@@ -145,7 +190,31 @@ def bare_texts(model_name: str, weights: Path, cores: int, texts: list[str]) -> 
         for i in range(0, len(ids), 64):
             model.encode_text(ids[i:i + 64])
 
-    return len(texts) / timed(once, 2)
+    singles = []
+    for i in range(ONE_TEXT_REQUESTS):
+        one = model.tokenize([texts[i % len(texts)]]).ids
+        t0 = time.perf_counter()
+        model.encode_text(one)
+        singles.append((time.perf_counter() - t0) * 1000)
+    return len(texts) / timed(once, 2), statistics.median(singles[5:])
+
+
+def one_text_latency(port: int, texts: list[str]) -> dict[str, float]:
+    """One-text requests one after another on a keep-alive connection: the server's p50 and p90 in ms."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    ms = []
+    for i in range(ONE_TEXT_REQUESTS):
+        body = json.dumps({"texts": [texts[i % len(texts)]]}).encode()
+        t0 = time.perf_counter()
+        conn.request("POST", "/v1/embeddings", body=body, headers={"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        resp.read()
+        if resp.status != 200:
+            raise RuntimeError(f"HTTP {resp.status}")
+        ms.append((time.perf_counter() - t0) * 1000)
+    conn.close()
+    ms = sorted(ms[5:])  # the first few warm the connection and the text batcher's shapes
+    return {"p50_ms": round(statistics.median(ms), 1), "p90_ms": round(ms[int(0.9 * len(ms))], 1)}
 
 
 def served_texts(url: str, per_request: int, clients: int, seconds: float) -> dict[str, Any]:
@@ -184,21 +253,24 @@ def served_texts(url: str, per_request: int, clients: int, seconds: float) -> di
 
 
 def text(model_name: str, weights: Path, cores: int) -> dict[str, Any]:
-    yardstick = bare_texts(model_name, weights, cores, captions(256, seed=5))
+    yardstick, bare_one_ms = bare_texts(model_name, weights, cores, captions(256, seed=5))
     env = {"GREENSERVE_MODEL": model_name, "GREENSERVE_WEIGHTS": str(weights), "GREENSERVE_LOG_LEVEL": "info"}
     rows = []
     with GunicornServer(env, workers=cores, ready_timeout_s=300) as srv:
+        one = one_text_latency(srv.port, captions(ONE_TEXT_REQUESTS, seed=7))
+        print(json.dumps({"one text at a time": one, "bare one-text forward p50 ms": round(bare_one_ms, 1)}))
         for per_request in (1, 16, 256):
             rows.append(served_texts(srv.url, per_request, clients=4, seconds=12))
             rows[-1]["vs_bare"] = round(rows[-1]["texts_per_s"] / yardstick, 2)
             print(json.dumps(rows[-1]), flush=True)
-    return {"bare_texts_per_s": round(yardstick, 1), "served": rows}
+    return {"bare_texts_per_s": round(yardstick, 1), "bare_one_text_ms": round(bare_one_ms, 1),
+            "one_text_at_a_time": one, "served": rows}
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="open_clip:ViT-B-32")
-    parser.add_argument("--only", nargs="+", choices=("speed", "text"), default=["speed", "text"])
+    parser.add_argument("--only", nargs="+", choices=("speed", "shapes", "text"), default=["speed", "shapes", "text"])
     args = parser.parse_args(argv)
     info = start("bench.clip_bench", args.model, argv)
     cores = info["cores"]
@@ -207,9 +279,14 @@ def main(argv: list[str] | None = None) -> int:
     if "speed" in args.only:
         doc["speed"] = speed(args.model, weights, cores)
         print(table(doc["speed"]))
+    if "shapes" in args.only:
+        doc["shapes"] = shapes(args.model, weights, cores)
+        print(table(doc["shapes"]))
     if "text" in args.only:
         doc["text"] = text(args.model, weights, cores)
-        print(f"bare text tower: {doc['text']['bare_texts_per_s']} texts/s")
+        t = doc["text"]
+        print(f"bare text tower: {t['bare_texts_per_s']} texts/s; one text: bare forward p50 "
+              f"{t['bare_one_text_ms']} ms, served p50 {t['one_text_at_a_time']['p50_ms']} ms (one client)")
         print(table(doc["text"]["served"]))
     OUT.mkdir(exist_ok=True)
     (OUT / "clip.json").write_text(json.dumps(doc, indent=1))

@@ -94,25 +94,27 @@ def designs(cores: int) -> tuple[Design, ...]:
             Design("asyncio-executor-locked", cores, 1, "locked"))  # greenserve's layout
 
 
-def server_for(design: Design, model: str, weights: Path, base_url: str) -> GunicornServer | UvicornServer:
-    """The design's server on 127.0.0.1, not started yet; ``start()`` returns once every model is warm."""
+def server_for(design: Design, model: str, weights: Path, base_url: str,
+               root: Path = ROOT) -> GunicornServer | UvicornServer:
+    """The design's server on 127.0.0.1, not started yet; ``start()`` returns once every model is warm.
+    ``root``: the checkout whose greenserve runs (an earlier commit's, for a before/after)."""
     if design.asyncio_mode is None:
         env = {"GREENSERVE_MODEL": model, "GREENSERVE_WEIGHTS": str(weights),
                "GREENSERVE_IMAGE_BASE_URL": base_url, "GREENSERVE_LOG_LEVEL": "info", **GREENSERVE_LIMITS}
         if not design.defaults:  # an explicit thread count pins the layout (no borrowing), in float32
             env |= {"GREENSERVE_TORCH_THREADS": str(design.threads), **FLOAT32}
-        return GunicornServer(env, workers=design.processes, ready_timeout_s=READY_TIMEOUT_S)
+        return GunicornServer(env, workers=design.processes, ready_timeout_s=READY_TIMEOUT_S, cwd=root)
     config = AppConfig(design.asyncio_mode, model, str(weights), base_url, design.threads)
     return UvicornServer(config, workers=design.processes, ready_timeout_s=READY_TIMEOUT_S)
 
 
 def start_all(selected: list[Design], plan: Plan, weights: Path, base_url: str,
-              stack: contextlib.ExitStack) -> dict[str, str | Exception]:
+              stack: contextlib.ExitStack, root: Path = ROOT) -> dict[str, str | Exception]:
     """Start every design at once (their model loads overlap); label → URL, or the start-up error.
 
     Every server is stopped when ``stack`` closes, whether it started or not.
     """
-    return start_servers({d.label: server_for(d, plan.model, weights, base_url) for d in selected}, stack)
+    return start_servers({d.label: server_for(d, plan.model, weights, base_url, root) for d in selected}, stack)
 
 
 def start_servers(servers: dict[str, GunicornServer | UvicornServer],
@@ -211,7 +213,8 @@ def yardstick(plan: Plan, weights: Path, album_dir: Path, cores: int, when: str,
                                           reps=plan.bare_reps)}]
 
 
-def run(plan: Plan, *, out_dir: Path, only: set[str] | None = None, chart: bool = True) -> dict[str, Any]:
+def run(plan: Plan, *, out_dir: Path, only: set[str] | None = None, chart: bool = True,
+        root: Path = ROOT) -> dict[str, Any]:
     """The whole comparison; returns (and writes) the results document."""
     started = time.monotonic()
     cores = len(os.sched_getaffinity(0))
@@ -226,6 +229,7 @@ def run(plan: Plan, *, out_dir: Path, only: set[str] | None = None, chart: bool 
     best = max(y["images_per_s"] for y in bare_runs)
     rates = [max(1, round(f * best * 60 / len(names))) for f in plan.open_fractions]
     doc: dict[str, Any] = {"plan": dataclasses.asdict(plan), "machine": report.machine(plan.model, cores),
+                           "greenserve_root": str(root),
                            "album": report.album_facts(blobs), "bare": bare_runs, "open_rates_per_min": rates,
                            "tolerance": equivalence.TOLERANCE, "reference_spread": equivalence.spread(reference),
                            "seed": report.SEED_NUMBERS, "designs": []}
@@ -234,7 +238,7 @@ def run(plan: Plan, *, out_dir: Path, only: set[str] | None = None, chart: bool 
     with ImageHost(blobs, latency_s=plan.image_latency_ms / 1000) as host, contextlib.ExitStack() as stack:
         print(f"-- starting {', '.join(d.label for d in selected)}", flush=True)
         # all designs stay up (idle ones cost no CPU) so that the load steps can interleave
-        urls = start_all(selected, plan, weights, host.base_url, stack)
+        urls = start_all(selected, plan, weights, host.base_url, stack, root)
         baseline = None
         for design in selected:
             d = check_design(design, urls[design.label], names, reference, baseline)
@@ -276,6 +280,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--design", action="append", help="run only this design (name or label); repeatable")
     parser.add_argument("--image-latency-ms", type=float, help="delay the image host adds to every image")
     parser.add_argument("--out-dir", type=Path, default=DOCS_DIR)
+    parser.add_argument("--root", type=Path, default=ROOT, help="the checkout whose greenserve runs (default: this)")
     args = parser.parse_args(argv)
     plan = QUICK if args.quick else FULL
     if args.model and args.model != plan.model:
@@ -285,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
         plan = dataclasses.replace(plan, ns=tuple(int(n) for n in args.ns.split(",")))
     if args.image_latency_ms is not None:
         plan = dataclasses.replace(plan, image_latency_ms=args.image_latency_ms)
-    doc = run(plan, out_dir=args.out_dir, only=set(args.design) if args.design else None)
+    doc = run(plan, out_dir=args.out_dir, only=set(args.design) if args.design else None, root=args.root)
     ok = passed(doc)
     print("all designs served the same embeddings" if ok else "FAILED: see errors / checks above", flush=True)
     return 0 if ok else 1
