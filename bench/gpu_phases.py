@@ -82,15 +82,18 @@ def cpu_reference(model: str, weights: Path, pixels: np.ndarray) -> np.ndarray:
 
 
 def model_level(model: str, weights: Path, pixels: np.ndarray, on_row: Row) -> None:
-    """``model`` on cuda:0 in float32 / bfloat16 / float16 autocast: images/s for a ``len(pixels)`` batch
-    (pinned host memory, non-blocking copy, results copied back) and cosine to CPU float32."""
+    """``model`` on cuda:0 in float32, then bfloat16 and float16 each by autocast and cast once: images/s for
+    a ``len(pixels)`` batch (pinned host memory, non-blocking copy, results copied back) and cosine to CPU
+    float32 (the choices ``GREENSERVE_DTYPE=auto`` tries: bf16 on sm >= 8, fp16 on sm 7.x)."""
     import torch
 
-    from service.engine.model import dtype_name, load_model
+    from service.engine.casting import FLOAT32, Numerics
+    from service.engine.model import load_model
 
     reference = load_model(model, str(weights), device=torch.device("cpu")).forward(pixels[:8])[0]
-    for dtype in (torch.float32, torch.bfloat16, torch.float16):
-        m = load_model(model, str(weights), device=torch.device("cuda:0"), dtype=dtype)
+    ways = [FLOAT32] + [Numerics(d, cast=c) for d in (torch.bfloat16, torch.float16) for c in (False, True)]
+    for numerics in ways:
+        m = load_model(model, str(weights), device=torch.device("cuda:0"), numerics=numerics)
         for _ in range(3):
             m.forward(pixels)
         reps = 10
@@ -101,7 +104,7 @@ def model_level(model: str, weights: Path, pixels: np.ndarray, on_row: Row) -> N
         feats = m.forward(pixels[:8])[0]
         assert feats is not None and reference is not None
         cos = torch.nn.functional.cosine_similarity(feats, reference)
-        on_row({"dtype": dtype_name(dtype), "batch": len(pixels), "images_per_s": round(len(pixels) / seconds, 1),
+        on_row({"dtype": numerics.name, "batch": len(pixels), "images_per_s": round(len(pixels) / seconds, 1),
                 "ms_per_batch": round(seconds * 1000, 2), "cosine_vs_cpu_fp32_min": round(float(cos.min()), 6)})
         del m
         torch.cuda.empty_cache()

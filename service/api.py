@@ -20,7 +20,7 @@ from werkzeug.exceptions import HTTPException
 from service import logs, metrics, openapi, protocols, serving
 from service.engine.model import ModelInfo
 from service.errors import ClientGone, GreenserveError, RequestError, Unauthorized, UnsupportedMediaType, from_http_status
-from service.pipeline.inputs import InferenceRequest, load_json, parse_doc, parse_form
+from service.pipeline.inputs import InferenceRequest, check_part_names, load_json, parse_doc, parse_form
 from service.protocols import openai
 from service.settings import Settings
 
@@ -39,8 +39,10 @@ def _start() -> None:
     g.request_id = rid if _REQUEST_ID_RE.match(rid) else uuid.uuid4().hex
     settings = current_app.extensions["greenserve"]["settings"]
     if settings.api_token and protocols.needs_token(request.path):
-        supplied = request.headers.get("Authorization", "").removeprefix("Bearer ").strip()
-        if not hmac.compare_digest(supplied.encode(), settings.api_token.encode()):
+        scheme, _, supplied = request.headers.get("Authorization", "").strip().partition(" ")
+        # the scheme is case-insensitive (RFC 9110); a bare token with no scheme is not a bearer token
+        if scheme.lower() != "bearer" or not hmac.compare_digest(supplied.strip().encode(),
+                                                                 settings.api_token.encode()):
             raise Unauthorized("missing or wrong bearer token; send Authorization: Bearer <GREENSERVE_API_TOKEN>")
 
 
@@ -137,6 +139,7 @@ def _parse_request(p: serving.Parts, task: str, openai_too: bool = False
     settings = p.settings
     mimetype = request.mimetype
     if mimetype == "multipart/form-data":
+        check_part_names([*request.files, *request.form])
         files = [(f.filename or "", f.read(settings.max_image_bytes + 1)) for f in request.files.getlist("images")]
         unexpected = sorted(set(request.files) - {"images"})
         if unexpected:

@@ -4,12 +4,13 @@
     ├── RequestError (400)            invalid_request, invalid_json, malformed_body, task_not_supported,
     │                                 empty_text, over_context_length, text_not_supported,
     │                                 labels_required, labels_not_supported, dimensions_not_supported,
-    │                                 token_input_not_supported, invalid_tensor, unexpected_output
+    │                                 token_input_not_supported, invalid_tensor, unexpected_output,
+    │                                 duplicate_output, json_too_deep, unnamed_form_part
     ├── Unauthorized (401)            unauthorized
     ├── NotFound (404)                not_found: no such route; model_not_found: no such model or version
     ├── MethodNotAllowed (405)        method_not_allowed
     ├── PayloadTooLarge (413)         body_too_large, too_many_images, too_many_texts, text_too_long,
-    │                                 too_many_labels
+    │                                 too_many_labels, json_too_complex
     ├── UnsupportedMediaType (415)    unsupported_content_type, unsupported_content_encoding
     ├── ImageError (422)              invalid_data_url; one image is unusable, carried per image in
     │   │                             ``details`` / ``errors``

@@ -19,12 +19,26 @@ FORMATTER = "pythonjsonlogger.json.JsonFormatter"
 access_log = logging.getLogger("service.access")
 
 
+# control characters (C0, DEL, C1, and the Unicode line and paragraph separators) a message may carry from a
+# client (an image URL, a label): written escaped, so no client value can start a forged log line
+_CONTROL = {c: f"\\x{c:02x}" if c < 0x100 else f"\\u{c:04x}"
+            for c in (*range(0x20), *range(0x7F, 0xA0), 0x2028, 0x2029)}
+
+
+class TextFormatter(logging.Formatter):
+    """One line per event: the message's control characters escaped (a traceback still follows it)."""
+
+    def formatMessage(self, record: logging.LogRecord) -> str:  # noqa: N802 - logging's name
+        record.message = record.message.translate(_CONTROL)
+        return super().formatMessage(record)
+
+
 def formatter(fmt: str) -> logging.Formatter:
     if fmt == "json":
         from pythonjsonlogger.json import JsonFormatter
 
         return JsonFormatter(JSON_FIELDS, rename_fields=JSON_RENAMES)
-    return logging.Formatter(FORMAT)
+    return TextFormatter(FORMAT)
 
 
 def configure(level: str = "info", fmt: str = "text") -> None:

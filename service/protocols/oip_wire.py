@@ -38,6 +38,8 @@ EMBEDDING = "EMBEDDING"
 PROBABILITIES = "PROBABILITIES"
 HEADER = "Inference-Header-Content-Length"
 _PREFIX = 4  # a BYTES element's length: uint32, little-endian
+MAX_DATA_DEPTH = 8  # nested lists in a JSON tensor's data (an image batch is 2: [N, 1])
+_END = object()
 EXAMPLE = '{"inputs": [{"name": "IMAGE", "datatype": "BYTES", "shape": [1], "data": ["https://.../a.jpg"]}]}'
 
 
@@ -175,9 +177,22 @@ def _json_refs(tensor: dict[str, Any], content_type: Any, settings: Settings) ->
 
 
 def _flatten(data: list[Any]) -> list[Any]:
+    """A tensor's nested ``data`` in row-major order, at most ``MAX_DATA_DEPTH`` lists deep (a loop, not
+    recursion: 900 nested lists must be a 400, not a RecursionError)."""
     out: list[Any] = []
-    for item in data:
-        out.extend(_flatten(item) if isinstance(item, list) else [item])
+    stack = [(iter(data), 1)]
+    while stack:
+        items, depth = stack[-1]
+        item = next(items, _END)
+        if item is _END:
+            stack.pop()
+        elif isinstance(item, list):
+            if depth >= MAX_DATA_DEPTH:
+                raise invalid(f"{INPUT}'s data nests deeper than {MAX_DATA_DEPTH} lists; a [N, 1] tensor is "
+                              "[[...], ...] or flat")
+            stack.append((iter(item), depth + 1))
+        else:
+            out.append(item)
     return out
 
 
@@ -202,12 +217,15 @@ def _outputs(asked: Any, binary_default: Any, available: Sequence[str], max_top_
         return tuple(Output(name, binary_default) for name in available)
     if not isinstance(asked, list):
         raise invalid('"outputs" must be a list of {"name": ...}')
-    outputs = []
+    outputs: list[Output] = []
     for item in asked:
         name = item.get("name") if isinstance(item, dict) else None
         if not isinstance(name, str) or name not in available:
             raise RequestError(f"unexpected inference output {name!r}; this model has {', '.join(available)}",
                                code="unexpected_output")
+        if any(o.name == name for o in outputs):  # each repeat would be the whole answer again
+            raise RequestError(f"output {name!r} is asked for twice; ask for each output once",
+                               code="duplicate_output")
         params = _parameters(item.get("parameters"), f"output {name}'s parameters")
         binary = params.get("binary_data", binary_default)
         k = params.get("classification", 0)

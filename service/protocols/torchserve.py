@@ -26,7 +26,14 @@ from flask import Blueprint, Response, request
 from service import serving
 from service.errors import MethodNotAllowed, NotFound, RequestError, UnsupportedMediaType
 from service.pipeline import postprocess
-from service.pipeline.inputs import InferenceRequest, bytes_ref, check_count, form_value, request_options
+from service.pipeline.inputs import (
+    InferenceRequest,
+    bytes_ref,
+    check_count,
+    check_part_names,
+    form_value,
+    request_options,
+)
 from service.protocols import openai
 from service.protocols.surface import Surface
 from service.settings import Settings
@@ -92,6 +99,7 @@ def parse_request(settings: Settings) -> InferenceRequest:
 
 
 def _uploads(settings: Settings) -> list[tuple[str, bytes]]:
+    check_part_names([*request.files, *request.form])
     unexpected = sorted(set(request.files) - set(FILE_FIELDS))
     if unexpected:
         raise RequestError(f"files in unknown field(s) {', '.join(unexpected)}; use the field 'data'")

@@ -1,0 +1,96 @@
+"""Hostile bodies and headers on every protocol surface, each sent to a real gunicorn -k gevent (2 workers,
+resnet18): a 4xx with its stable code in the protocol's shape (never a 500), nothing forged in the log, and
+the same workers answering afterwards."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import requests
+
+from harness.imagehost import ImageHost
+from harness.launch import GunicornServer
+from tests.conftest import E2E_MODEL, GUARD_TOKEN
+from tests.test_e2e_protocol_refusals import code_of
+
+pytestmark = pytest.mark.e2e
+TIMEOUT = 60
+JSON = {"Content-Type": "application/json"}
+DEEP = b"[" * 100_000 + b"]" * 100_000
+FORGED = "2099-01-01 00:00:00,000 [1] [CRITICAL] service.api: FORGED"
+
+
+def oip(url: str) -> str:
+    return f"{url}/v2/models/{E2E_MODEL}/infer"
+
+
+def oip_body(data: object, **extra: object) -> dict[str, object]:
+    return {"inputs": [{"name": "IMAGE", "datatype": "BYTES", "shape": [1], "data": data}], **extra}
+
+
+def hostile(url: str) -> list[tuple[str, requests.Response, int, str]]:
+    """(what, response, status, code) for each hostile request."""
+    post = requests.post
+    predict = f"{url}/v1/models/{E2E_MODEL}:predict"
+    nameless = b'--B\r\nContent-Disposition: form-data; filename="a.jpg"\r\n\r\nx\r\n--B--\r\n'
+    form = {"Content-Type": "multipart/form-data; boundary=B"}
+    brackets = b'{"images": ["img000.jpg"], "x": [' + b",".join([b"[]"] * 200_000) + b"]}"
+    return [
+        ("100,000-deep JSON, native", post(f"{url}/v1/embeddings", data=DEEP, headers=JSON, timeout=TIMEOUT),
+         400, "json_too_deep"),
+        ("100,000-deep JSON, OIP", post(oip(url), data=DEEP, headers=JSON, timeout=TIMEOUT), 400, "json_too_deep"),
+        ("100,000-deep JSON, KServe v1", post(predict, data=DEEP, headers=JSON, timeout=TIMEOUT),
+         400, "json_too_deep"),
+        ("OIP data 900 lists deep", post(oip(url), timeout=TIMEOUT, data=json.dumps(
+            oip_body(json.loads("[" * 900 + '"img000.jpg"' + "]" * 900))), headers=JSON), 400, "invalid_tensor"),
+        ("a lone surrogate in an image name", post(f"{url}/v1/embeddings", headers=JSON, timeout=TIMEOUT,
+                                                   data=b'{"images": ["http://127.0.0.1:9/\\ud800.jpg"]}'),
+         400, "invalid_json"),
+        ("a lone surrogate in OIP data", post(oip(url), headers=JSON, timeout=TIMEOUT,
+                                              data=json.dumps(oip_body(["x"])).replace('"x"', '"\\udfff"').encode()),
+         400, "invalid_json"),
+        ("OIP timeout of 401 digits", post(oip(url), headers=JSON, timeout=TIMEOUT, data=json.dumps(
+            oip_body(["img000.jpg"], parameters={"timeout": 10**400})).encode()), 400, "invalid_json"),
+        ("an OIP output asked for twice", post(oip(url), timeout=TIMEOUT, json=oip_body(
+            ["img000.jpg"], outputs=[{"name": "EMBEDDING"}] * 40_000)), 400, "duplicate_output"),
+        ("200,000 empty arrays", post(f"{url}/v1/embeddings", data=brackets, headers=JSON, timeout=TIMEOUT),
+         413, "json_too_complex"),
+        ("a form part with no name, native", post(f"{url}/v1/embeddings", data=nameless, headers=form,
+                                                   timeout=TIMEOUT), 400, "unnamed_form_part"),
+        ("a form part with no name, TorchServe", post(f"{url}/predictions/{E2E_MODEL}", data=nameless,
+                                                       headers=form, timeout=TIMEOUT), 400, "unnamed_form_part"),
+    ]
+
+
+def test_hostile_bodies_get_their_codes_and_the_workers_answer_after(server: GunicornServer) -> None:
+    pids = server.worker_pids()
+    for what, response, status, code in hostile(server.url):
+        assert (response.status_code, code_of(response)) == (status, code), f"{what}: {response.text[:300]}"
+        assert int(response.headers["X-Worker-PID"]) in pids, what
+    assert server.worker_pids() == pids and server.healthz_pids() == pids
+    ok = requests.post(f"{server.url}/v1/embeddings", json={"images": ["img000.jpg"]}, timeout=TIMEOUT)
+    assert ok.status_code == 200 and int(ok.headers["X-Worker-PID"]) in pids
+    assert "Traceback" not in server.log() and "RecursionError" not in server.log()
+
+
+def test_a_newline_in_an_image_url_cannot_forge_a_log_line(server: GunicornServer, image_host: ImageHost) -> None:
+    url = f"{image_host.base_url}/missing-{id(server)}.jpg\n{FORGED}"
+    r = requests.post(f"{server.url}/v1/embeddings", json={"images": [url]}, timeout=TIMEOUT)
+    assert r.status_code == 422
+    log = server.log()
+    assert f"missing-{id(server)}.jpg" in log  # the fetch failure was logged ...
+    assert not any(line.startswith(FORGED) for line in log.splitlines())  # ... on one line, escaped
+    assert f"missing-{id(server)}.jpg\\x0a{FORGED}" in log
+
+
+@pytest.mark.parametrize(("header", "status"), [
+    (f"Bearer {GUARD_TOKEN}", 200), (f"bearer {GUARD_TOKEN}", 200), (f"BEARER  {GUARD_TOKEN}", 200),
+    (GUARD_TOKEN, 401), (f"Basic {GUARD_TOKEN}", 401), (f"Bearer {GUARD_TOKEN}x", 401), ("Bearer", 401)])
+def test_the_token_scheme_is_case_insensitive_and_required(guarded: GunicornServer, header: str,
+                                                           status: int) -> None:
+    r = requests.post(f"{guarded.url}/v1/embeddings", json={"images": ["img000.jpg"]}, timeout=TIMEOUT,
+                      headers={"Authorization": header})
+    assert r.status_code == status, r.text
+    if status == 401:
+        assert r.json()["error"]["code"] == "unauthorized"
