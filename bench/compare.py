@@ -35,6 +35,7 @@ from bench.asyncio_designs.app import AppConfig
 from bench.asyncio_designs.server import UvicornServer
 from harness.imagehost import ImageHost
 from harness.launch import ROOT, GunicornServer
+from service.settings import default_workers
 
 OUT_DIR = ROOT / "bench" / "out"
 DOCS_DIR = ROOT / "docs"
@@ -83,15 +84,18 @@ class Design:
         return f"{self.name} {self.processes}x{self.threads}" + (" defaults" if self.defaults else "")
 
 
-def designs(cores: int) -> tuple[Design, ...]:
-    """Run order: greenserve first (its embeddings are the ones the others are checked against)."""
-    return (Design("greenserve", cores, 1, defaults=True),  # a worker per core, 1 thread each, or every
-            # core while its siblings are idle (GREENSERVE_BORROW_IDLE_CORES)
-            Design("greenserve", 1, cores),  # the asyncio runs' layout
+def designs(cores: int, model: str = "resnet50") -> tuple[Design, ...]:
+    """Run order: greenserve first (its embeddings are the ones the others are checked against): its
+    default layout for ``model`` (a worker per core; per 2 cores for a ViT), then the other one."""
+    workers = default_workers(model, cores)
+    default = Design("greenserve", workers, cores // workers, defaults=True)  # with 1-thread workers it
+    # borrows idle siblings' cores (GREENSERVE_BORROW_IDLE_CORES)
+    other = Design("greenserve", 1, cores) if workers > 1 else Design("greenserve", cores, 1)
+    return (default, other,
             Design("asyncio-naive", 1, cores, "naive"),
             Design("asyncio-executor", 1, cores, "executor"),
             Design("asyncio-executor-locked", 1, cores, "locked"),
-            Design("asyncio-executor-locked", cores, 1, "locked"))  # greenserve's layout
+            Design("asyncio-executor-locked", cores, 1, "locked"))  # greenserve's layout for convnets
 
 
 def server_for(design: Design, model: str, weights: Path, base_url: str,
@@ -234,7 +238,7 @@ def run(plan: Plan, *, out_dir: Path, only: set[str] | None = None, chart: bool 
                            "tolerance": equivalence.TOLERANCE, "reference_spread": equivalence.spread(reference),
                            "seed": report.SEED_NUMBERS, "designs": []}
     print(report.header(doc), flush=True)
-    selected = [d for d in designs(cores) if not only or d.label in only or d.name in only]
+    selected = [d for d in designs(cores, plan.model) if not only or d.label in only or d.name in only]
     with ImageHost(blobs, latency_s=plan.image_latency_ms / 1000) as host, contextlib.ExitStack() as stack:
         print(f"-- starting {', '.join(d.label for d in selected)}", flush=True)
         # all designs stay up (idle ones cost no CPU) so that the load steps can interleave

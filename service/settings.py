@@ -24,6 +24,11 @@ _DEVICE_RE = re.compile(r"^(cpu|auto|cuda(:\d+)?)$")
 _TAG_RE = re.compile(r"^[A-Za-z0-9][\w.-]*$")  # open_clip pretrained tags: laion2b_s34b_b79k, openai
 
 
+# torch threads a ViT worker gets by default: with one worker x 2 threads on 2 cores, 5 albums at once
+# averaged 0.78-0.82x the naive asyncio design's latency, against 0.85-0.96x for 2 workers x 1 (3 runs)
+VIT_THREADS = 2
+
+
 class SettingsError(ValueError):
     """A GREENSERVE_* variable has a value the server cannot start with."""
 
@@ -48,8 +53,10 @@ class Settings:
     """Everything the server can be told. Build directly in tests; ``from_env()`` in production."""
 
     bind: str = _setting("127.0.0.1:8000", "gunicorn listen address (host:port or unix:/path)")
-    workers: int = _setting(None, "gunicorn worker processes, each with its own model", parse="int",
-                            lo=1, hi=256, factory=_cpu_count)
+    workers: int = _setting(None, "gunicorn worker processes, each with its own model; unset: one per core, and for "
+                            "an open_clip model (a ViT) one per 2 cores, each on 2 threads (measured faster for 5 "
+                            "albums at once on 2 cores: docs/BENCHMARKS.md)", parse="int", lo=1, hi=256,
+                            factory=_cpu_count)
     torch_threads: int = _setting(0, "torch intra-op threads per worker; 0 = cores // workers (at least 1)",
                                   parse="int", lo=0, hi=256)
     decode_threads: int = _setting(0, "native threads per worker for decode + preprocess; 0 = max(2, cores // workers)",
@@ -216,6 +223,8 @@ class Settings:
         for name, f in known.items():
             if name in environ:
                 values[f.name] = _parse(name, environ[name], f.metadata["parse"])
+        if "workers" not in values:
+            values["workers"] = default_workers(str(values.get("model", cls.model)), _cpu_count())
         return cls(**values)
 
     def describe(self) -> dict[str, Any]:
@@ -224,6 +233,11 @@ class Settings:
         if out["api_token"]:
             out["api_token"] = "***"
         return out
+
+
+def default_workers(model: str, cores: int) -> int:
+    """GREENSERVE_WORKERS when unset: a worker per core, and per ``VIT_THREADS`` cores for a ViT (open_clip)."""
+    return max(1, cores // VIT_THREADS) if model.startswith("open_clip:") else cores
 
 
 def env_name(field_name: str) -> str:

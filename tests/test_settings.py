@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import pytest
 
+from service import settings as settings_mod
 from service.settings import Settings, SettingsError, settings_table
 
 
@@ -12,6 +13,16 @@ def test_defaults_bind_loopback_and_resnet50() -> None:
     assert s.weights == "auto"
     assert s.workers >= 1
     assert (s.dtype, s.cpu_bf16, s.jpeg_decode) == ("auto", "auto", "auto")
+
+
+def test_a_vit_defaults_to_a_worker_per_two_cores_unless_told(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(settings_mod, "_cpu_count", lambda: 16)
+    clip = Settings.from_env({"GREENSERVE_MODEL": "open_clip:ViT-B-32"})
+    assert (clip.workers, clip.torch_threads_per_worker(16)) == (8, 2)
+    assert Settings.from_env({"GREENSERVE_MODEL": "resnet50"}).workers == 16  # one per core
+    assert Settings.from_env({"GREENSERVE_MODEL": "open_clip:ViT-B-32", "GREENSERVE_WORKERS": "16"}).workers == 16
+    monkeypatch.setattr(settings_mod, "_cpu_count", lambda: 1)
+    assert Settings.from_env({"GREENSERVE_MODEL": "open_clip:ViT-B-32"}).workers == 1
 
 
 def test_values_are_cast_from_env() -> None:

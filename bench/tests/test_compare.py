@@ -26,7 +26,7 @@ def test_quick_machinery_runs_every_design_and_they_agree(tmp_path: Path) -> Non
     doc = compare.run(plan, out_dir=tmp_path)
 
     labels = [d["label"] for d in doc["designs"]]
-    assert labels == [d.label for d in compare.designs(doc["machine"]["cores"])]
+    assert labels == [d.label for d in compare.designs(doc["machine"]["cores"], doc["plan"]["model"])]
     for d in doc["designs"]:
         assert "error" not in d, d["error"]
         assert d["check_vs_bare"]["passed"], (d["label"], d["check_vs_bare"])
