@@ -174,9 +174,10 @@ def _text_trim(model: Any, reps: int) -> dict[str, Any]:
             "ratio": round(t_trim / t_full, 3), "min_cosine": round(_cos(trimmed(), full()), 6)}
 
 
-def bare_texts(model_name: str, weights: Path, cores: int, texts: list[str]) -> tuple[float, float]:
-    """The text tower alone on every core: texts/s in batches of 64, and the median ms of one-text forwards
-    (one query, as an album search sends it)."""
+def bare_texts(model_name: str, weights: Path, cores: int, texts: list[str],
+               queries: list[str]) -> tuple[float, float]:
+    """The text tower alone on every core: texts/s for ``texts`` in batches of 64, and the median ms of
+    one-text forwards of ``queries`` (one query at a time, as an album search sends it)."""
     import torch
 
     from service.engine.model import load_model
@@ -191,20 +192,20 @@ def bare_texts(model_name: str, weights: Path, cores: int, texts: list[str]) -> 
             model.encode_text(ids[i:i + 64])
 
     singles = []
-    for i in range(ONE_TEXT_REQUESTS):
-        one = model.tokenize([texts[i % len(texts)]]).ids
+    for query in queries:
+        one = model.tokenize([query]).ids
         t0 = time.perf_counter()
         model.encode_text(one)
         singles.append((time.perf_counter() - t0) * 1000)
-    return len(texts) / timed(once, 2), statistics.median(singles[5:])
+    return len(texts) / timed(once, 4), statistics.median(singles[5:])
 
 
-def one_text_latency(port: int, texts: list[str]) -> dict[str, float]:
+def one_text_latency(port: int, queries: list[str]) -> dict[str, float]:
     """One-text requests one after another on a keep-alive connection: the server's p50 and p90 in ms."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
     ms = []
-    for i in range(ONE_TEXT_REQUESTS):
-        body = json.dumps({"texts": [texts[i % len(texts)]]}).encode()
+    for query in queries:
+        body = json.dumps({"texts": [query]}).encode()
         t0 = time.perf_counter()
         conn.request("POST", "/v1/embeddings", body=body, headers={"Content-Type": "application/json"})
         resp = conn.getresponse()
@@ -253,11 +254,12 @@ def served_texts(url: str, per_request: int, clients: int, seconds: float) -> di
 
 
 def text(model_name: str, weights: Path, cores: int) -> dict[str, Any]:
-    yardstick, bare_one_ms = bare_texts(model_name, weights, cores, captions(256, seed=5))
+    queries = captions(ONE_TEXT_REQUESTS, seed=7)  # the same queries, bare and served
+    yardstick, bare_one_ms = bare_texts(model_name, weights, cores, captions(256, seed=5), queries)
     env = {"GREENSERVE_MODEL": model_name, "GREENSERVE_WEIGHTS": str(weights), "GREENSERVE_LOG_LEVEL": "info"}
     rows = []
     with GunicornServer(env, workers=cores, ready_timeout_s=300) as srv:
-        one = one_text_latency(srv.port, captions(ONE_TEXT_REQUESTS, seed=7))
+        one = one_text_latency(srv.port, queries)
         print(json.dumps({"one text at a time": one, "bare one-text forward p50 ms": round(bare_one_ms, 1)}))
         for per_request in (1, 16, 256):
             rows.append(served_texts(srv.url, per_request, clients=4, seconds=12))

@@ -29,7 +29,7 @@ from service import metrics
 from service.engine.batcher import Batcher, Outputs
 from service.engine.device_decode import EncodedJpeg
 from service.engine.model import ModelInfo, Tokens
-from service.engine.scheduling import Admission, Rank, Scheduler
+from service.engine.scheduling import Admission, Gather, Rank, Scheduler
 from service.engine.threads import Siblings, ThreadPlan, lower_priority
 from service.errors import GreenserveError
 from service.settings import Settings
@@ -80,8 +80,9 @@ class Runner:
         self.batcher.stats.on_batch = metrics.observe_batch
         # texts get their own batcher on the same one-thread pool: their forwards take turns with the
         # images' batches and are never mixed into one
+        self._texts_coming = TextsComing()
         self.text_batcher = Batcher(self._forward_texts, self._infer_pool, max_batch=settings.max_text_batch,
-                                    max_wait_s=settings.max_batch_wait_ms / 1000)
+                                    max_wait_s=settings.max_batch_wait_ms / 1000, policy=self._texts_coming)
         self.text_batcher.stats.on_batch = metrics.observe_text_batch
         self._loader = loader
         self.model: Model | None = model
@@ -155,7 +156,12 @@ class Runner:
         return self.batcher.submit(pixels, deadline, admission, admission.arrived)
 
     def tokenize(self, texts: Sequence[str], *, rank: Rank | None = None) -> Tokens:
-        return self.offload(self._text_model().tokenize, list(texts), rank=rank)
+        """Token ids (a decode thread); the caller submits them at once, without yielding to the hub."""
+        self._texts_coming.n += len(texts)
+        try:
+            return self.offload(self._text_model().tokenize, list(texts), rank=rank)
+        finally:
+            self._texts_coming.n -= len(texts)
 
     def infer_text(self, ids: np.ndarray, deadline: float | None, admission: Admission) -> AsyncResult:
         return self.text_batcher.submit(ids, deadline, admission, admission.arrived)
@@ -180,6 +186,23 @@ class Runner:
         if isinstance(batch, np.ndarray):
             return self.model.forward(batch)
         return Outputs(*cast(DeviceDecodingModel, self.model).forward_items(batch))  # JPEGs for the device
+
+
+class TextsComing:
+    """The text batcher's policy: texts being tokenised are on their way, and a batch waits for them (up to
+    GREENSERVE_MAX_BATCH_WAIT_MS); with none coming it runs at once (a lone search query saved the 2 ms)."""
+
+    def __init__(self) -> None:
+        self.n = 0
+
+    def upstream(self) -> int:
+        return self.n
+
+    def gather(self) -> Gather:
+        return Gather.NO
+
+    def taken(self) -> None:
+        pass
 
 
 class _Raised:
