@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import base64
 import contextlib
-import http.client
 import json
 import statistics
 import sys
@@ -26,6 +25,7 @@ from typing import Any
 
 from bench import bare
 from bench.album import Photo, render
+from bench.keepalive import KeepAlive
 from bench.report import rows_table, start
 from harness.launch import ROOT, GunicornServer
 
@@ -34,16 +34,10 @@ SLOW_MS = 150.0
 
 
 def _client(port: int, body: bytes, stop_at: float, out: list[float]) -> None:
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    client = KeepAlive(port)
     while time.perf_counter() < stop_at:
-        t0 = time.perf_counter()
-        conn.request("POST", "/v1/embeddings", body=body, headers={"Content-Type": "application/json"})
-        resp = conn.getresponse()
-        resp.read()
-        if resp.status != 200:
-            raise RuntimeError(f"HTTP {resp.status}")
-        out.append((time.perf_counter() - t0) * 1000)
-    conn.close()
+        out.append(client.post_ms("/v1/embeddings", body))
+    client.close()
 
 
 def closed_loop(port: int, body: bytes, clients: int, seconds: float) -> dict[str, Any]:

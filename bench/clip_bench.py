@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import http.client
 import json
 import statistics
 import sys
@@ -35,6 +34,7 @@ import numpy as np
 import requests
 
 from bench import bare
+from bench.keepalive import KeepAlive
 from bench.report import rows_table as table
 from bench.report import start
 from harness.launch import GunicornServer
@@ -202,18 +202,9 @@ def bare_texts(model_name: str, weights: Path, cores: int, texts: list[str],
 
 def one_text_latency(port: int, queries: list[str]) -> dict[str, float]:
     """One-text requests one after another on a keep-alive connection: the server's p50 and p90 in ms."""
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
-    ms = []
-    for query in queries:
-        body = json.dumps({"texts": [query]}).encode()
-        t0 = time.perf_counter()
-        conn.request("POST", "/v1/embeddings", body=body, headers={"Content-Type": "application/json"})
-        resp = conn.getresponse()
-        resp.read()
-        if resp.status != 200:
-            raise RuntimeError(f"HTTP {resp.status}")
-        ms.append((time.perf_counter() - t0) * 1000)
-    conn.close()
+    client = KeepAlive(port)
+    ms = [client.post_ms("/v1/embeddings", json.dumps({"texts": [query]}).encode()) for query in queries]
+    client.close()
     ms = sorted(ms[5:])  # the first few warm the connection and the text batcher's shapes
     return {"p50_ms": round(statistics.median(ms), 1), "p90_ms": round(ms[int(0.9 * len(ms))], 1)}
 

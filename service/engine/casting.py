@@ -77,10 +77,10 @@ class TowerCast:
             return
         if self._originals is None:
             raise RuntimeError("the tower's float32 originals were released (TowerCast.release)")
+        self.dtype = dtype  # first: should a cast fail half-way, going back to float32 still restores every tensor
         with torch.no_grad():
             for t, orig in zip(self.tensors, self._originals, strict=True):
                 t.data = orig if dtype == torch.float32 else orig.to(dtype)
-        self.dtype = dtype
 
     def release(self) -> None:
         """Forget the float32 originals once the choice is made (a cast tower then holds one copy)."""

@@ -161,8 +161,8 @@ class LoadedModel:
 
     def release_float32(self) -> None:
         """Drop the float32 originals of the towers cast once (after the dtype choice): one copy each."""
-        for tower in self._casts.values():
-            tower.release()
+        for casting in self._casts.values():
+            casting.release()
 
     def forward(self, batch: np.ndarray) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Run one batch of uint8 crops (N, H, W, 3). Call from the inference thread only."""

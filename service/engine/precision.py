@@ -202,15 +202,16 @@ def _choose(model: LoadedModel, tower: str, candidate: torch.dtype, sizes: tuple
     reference = _timed_sizes(model, tower, FLOAT32, inputs, sizes, timer)
     if reference.error is not None:
         raise RuntimeError(f"the {tower} tower fails in float32: {reference.error}")
-    trials = [_compare(numerics, _timed_sizes(model, tower, numerics, inputs, sizes, timer, reference), reference)
-              for numerics in (Numerics(candidate, cast=True), Numerics(candidate, cast=False))]
-    kept = [t for t in trials if t.kept(sizes)]
+    ways = (Numerics(candidate, cast=True), Numerics(candidate, cast=False))
+    trials = [_compare(way, _timed_sizes(model, tower, way, inputs, sizes, timer, reference), reference)
+              for way in ways]
+    kept = [i for i, t in enumerate(trials) if t.kept(sizes)]
     if not kept:
         return _serve(model, tower, FLOAT32, "float32: " + "; ".join(_refusal(t) for t in trials), sizes, trials)
-    best = max(kept, key=lambda t: t.speedup)
-    reason = "; ".join([f"{best.numerics}: {best.text()}"] + [_refusal(t) for t in trials if t is not best])
-    return _serve(model, tower, Numerics(candidate, cast=best.numerics.endswith("cast once")), reason, sizes,
-                  trials)
+    best = max(kept, key=lambda i: trials[i].speedup)
+    reason = "; ".join([f"{ways[best].name}: {trials[best].text()}"] +
+                       [_refusal(t) for i, t in enumerate(trials) if i != best])
+    return _serve(model, tower, ways[best], reason, sizes, trials)
 
 
 def _refusal(trial: Trial) -> str:
