@@ -89,12 +89,13 @@ def test_the_text_tower_casts_alone_and_its_norms_and_logit_scale_stay_float32()
     assert clip.visual.conv1.weight.dtype == torch.float32  # the image tower is not the text tower's
 
 
-def test_scores_and_normalisation_run_on_float32_rows() -> None:
-    """What comes after the forward: the L2 normalisation and softmax never see bf16 rows."""
-    row = torch.randn(1, 512).to(torch.bfloat16)
-    vec = postprocess.embedding(row.float().numpy()[0], normalize=True)
-    assert vec.dtype == np.float32
-    assert postprocess.probabilities(np.array([1.0, 2.0], np.float32)).dtype == np.float64
+def test_scores_and_normalisation_run_in_float32_even_on_low_precision_rows() -> None:
+    """What comes after the forward: the L2 normalisation and softmax widen what they get (numpy has no
+    bf16; float16 stands in for a row that left a tower in low precision)."""
+    row = np.random.default_rng(0).standard_normal(512).astype(np.float16)
+    vec = postprocess.embedding(row, normalize=True)
+    assert vec.dtype == np.float32 and abs(float(np.linalg.norm(vec)) - 1) < 1e-6
+    assert postprocess.probabilities(np.array([1.0, 2.0], np.float16)).dtype == np.float64
 
 
 def test_a_released_tower_cannot_go_back_and_a_float32_one_keeps_its_originals() -> None:
