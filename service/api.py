@@ -44,6 +44,11 @@ def _start() -> None:
         if scheme.lower() != "bearer" or not hmac.compare_digest(supplied.strip().encode(),
                                                                  settings.api_token.encode()):
             raise Unauthorized("missing or wrong bearer token; send Authorization: Bearer <GREENSERVE_API_TOKEN>")
+    encoding = request.headers.get("Content-Encoding", "").strip().lower()
+    if encoding not in ("", "identity") and not request.path.startswith("/v2/"):  # OIP inflates its own
+        raise UnsupportedMediaType(f"Content-Encoding {encoding!r} is not accepted here; send the body "
+                                   "uncompressed (OIP v2 infer takes gzip and deflate)",
+                                   code="unsupported_content_encoding")
 
 
 @bp.after_app_request

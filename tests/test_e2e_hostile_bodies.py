@@ -60,6 +60,11 @@ def hostile(url: str) -> list[tuple[str, requests.Response, int, str]]:
                                                    timeout=TIMEOUT), 400, "unnamed_form_part"),
         ("a form part with no name, TorchServe", post(f"{url}/predictions/{E2E_MODEL}", data=nameless,
                                                        headers=form, timeout=TIMEOUT), 400, "unnamed_form_part"),
+        *[(f"Content-Encoding br on {path}", post(f"{url}{path}", data=b'{"images": ["img000.jpg"]}',
+                                                  headers={**JSON, "Content-Encoding": "br"}, timeout=TIMEOUT),
+           415, "unsupported_content_encoding")
+          for path in ("/v1/embeddings", "/v1/classify", f"/v1/models/{E2E_MODEL}:predict",
+                       f"/predictions/{E2E_MODEL}")],
     ]
 
 
