@@ -77,7 +77,7 @@ def test_cast_once_keeps_the_normalisation_layers_in_float32_during_the_forward(
 def test_the_text_tower_casts_alone_and_its_norms_and_logit_scale_stay_float32() -> None:
     torch.manual_seed(0)
     clip_model = load_model("open_clip:ViT-B-32", "random")
-    clip = clip_model.module.clip  # type: ignore[attr-defined]
+    clip = clip_model.module.clip
     ids = clip_model.tokenize(precision.PROBE_TEXTS).ids
     f32 = clip_model.encode_text(ids)
     clip_model.set_numerics("text", BF16_CAST)
@@ -118,5 +118,5 @@ def test_a_saved_state_dict_is_cast_from_its_mapped_tensors(tmp_path: Path) -> N
     path = tmp_path / "r18.pt"
     torch.save(torchvision.models.resnet18().state_dict(), path)
     model = load_model("resnet18", str(path), numerics=BF16_CAST)
-    assert model.info.dtype == "bfloat16" and model.module.backbone.conv1.weight.dtype == torch.bfloat16  # type: ignore[union-attr]
-    assert model.module.backbone.bn1.running_var.dtype == torch.float32  # type: ignore[union-attr]
+    assert model.info.dtype == "bfloat16" and model.module.backbone.conv1.weight.dtype == torch.bfloat16
+    assert model.module.backbone.bn1.running_var.dtype == torch.float32

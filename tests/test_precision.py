@@ -63,17 +63,17 @@ def test_a_gpu_candidate_follows_its_compute_capability(monkeypatch: pytest.Monk
         assert hardware == f"cuda sm_{capability[0]}{capability[1]} a GPU"
 
 
-def fake_timer(factors: dict[str, float], per_image_s: float = 0.01) -> precision.Timer:
+class FakeTimer:
     """Runs the forward for its outputs, and says it took ``per_image_s`` per image times the numerics'
-    factor (float32: 1): the speed half of the choice, injected."""
-    calls: list[tuple[str, str, int]] = []
+    factor (float32: 1): the speed half of the choice, injected. ``calls`` is what was timed."""
 
-    def timer(tower: str, numerics: Numerics, size: int, run: Callable[[], Any]) -> tuple[Any, float]:
-        calls.append((tower, numerics.name, size))
-        return run(), size * per_image_s * factors.get(numerics.name, 1.0)
+    def __init__(self, factors: dict[str, float], per_image_s: float = 0.01) -> None:
+        self.factors, self.per_image_s = factors, per_image_s
+        self.calls: list[tuple[str, str, int]] = []
 
-    timer.calls = calls  # type: ignore[attr-defined]  # what was timed, for the assertions
-    return timer
+    def __call__(self, tower: str, numerics: Numerics, size: int, run: Callable[[], Any]) -> tuple[Any, float]:
+        self.calls.append((tower, numerics.name, size))
+        return run(), size * self.per_image_s * self.factors.get(numerics.name, 1.0)
 
 
 SMALL = (1, 2, 4)  # batch sizes for the trials whose every candidate runs to the end (emulated bf16 is slow here)
@@ -81,7 +81,7 @@ FAST_CAST = {"bfloat16 cast once": 0.3, "bfloat16 autocast": 1.7}  # what the se
 
 
 def test_auto_without_native_bf16_serves_float32_without_a_trial(resnet18: LoadedModel) -> None:
-    chosen = precision.settle(resnet18, "auto", flags=AVX2, timer=fake_timer(FAST_CAST))
+    chosen = precision.settle(resnet18, "auto", flags=AVX2, timer=FakeTimer(FAST_CAST))
     assert (chosen.chosen, resnet18.dtype) == ("float32", torch.float32)
     assert "no native bfloat16" in chosen.reason
     image = chosen.tower("image")
@@ -94,7 +94,7 @@ def test_auto_without_native_bf16_serves_float32_without_a_trial(resnet18: Loade
 def test_auto_with_native_bf16_keeps_the_cast_once_weights_when_they_agree_and_are_faster() -> None:
     model = fresh_resnet18()
     before = model.forward(precision.probe_pixels(224, 2))[0]
-    timer = fake_timer(FAST_CAST)
+    timer = FakeTimer(FAST_CAST)
     chosen = precision.settle(model, "auto", flags=ZEN4, timer=timer)
     image = chosen.tower("image")
     assert image is not None and image.numerics == "bfloat16 cast once", chosen.reason
@@ -105,7 +105,7 @@ def test_auto_with_native_bf16_keeps_the_cast_once_weights_when_they_agree_and_a
     assert cast.speedup == pytest.approx(1 / 0.3) and autocast.speedup == pytest.approx(1 / 1.7)
     assert "avx512_bf16" in chosen.reason and "3.33x" in chosen.reason and "agreed but slower" in chosen.reason
     # timed at the sizes asked for, ascending; autocast stopped once it could not be fast enough
-    assert [c for c in timer.calls if c[1] == "float32"] == [("image", "float32", n) for n in (1, 8, 32)]  # type: ignore[attr-defined]
+    assert [c for c in timer.calls if c[1] == "float32"] == [("image", "float32", n) for n in (1, 8, 32)]
     assert len(autocast.sizes) < 3
     # and it really serves cast weights now: a Linear/Conv in bfloat16, the answer moved in the last bits
     assert model.module.backbone.conv1.weight.dtype == torch.bfloat16
@@ -118,7 +118,7 @@ def test_auto_with_native_bf16_keeps_the_cast_once_weights_when_they_agree_and_a
 
 def test_an_agreeing_but_slower_candidate_is_refused_with_both_timings() -> None:
     model = fresh_resnet18()
-    chosen = precision.settle(model, "auto", flags=AMX, timer=fake_timer({"bfloat16 cast once": 2.0,
+    chosen = precision.settle(model, "auto", flags=AMX, timer=FakeTimer({"bfloat16 cast once": 2.0,
                                                                           "bfloat16 autocast": 3.0}))
     assert (chosen.chosen, model.dtype) == ("float32", torch.float32)
     image = chosen.tower("image")
@@ -131,14 +131,14 @@ def test_an_agreeing_but_slower_candidate_is_refused_with_both_timings() -> None
 def test_a_candidate_under_the_margin_is_refused() -> None:
     model = fresh_resnet18()
     chosen = precision.settle(model, "auto", flags=AMX, image_sizes=SMALL,
-                              timer=fake_timer({"bfloat16 cast once": 1 / 1.1, "bfloat16 autocast": 1.0}))
+                              timer=FakeTimer({"bfloat16 cast once": 1 / 1.1, "bfloat16 autocast": 1.0}))
     assert chosen.chosen == "float32" and "not enough faster" in chosen.reason
 
 
 def test_autocast_serves_when_it_is_the_faster_one_that_agrees() -> None:
     model = fresh_resnet18()
     chosen = precision.settle(model, "auto", flags=AMX, image_sizes=SMALL,
-                              timer=fake_timer({"bfloat16 cast once": 0.8, "bfloat16 autocast": 0.5}))
+                              timer=FakeTimer({"bfloat16 cast once": 0.8, "bfloat16 autocast": 0.5}))
     assert model.numerics_of("image") == Numerics(torch.bfloat16, cast=False)
     assert model.module.backbone.conv1.weight.dtype == torch.float32  # autocast casts per call, not the weights
     assert chosen.reason.startswith("cpu amx_bf16: image tower bfloat16 autocast: ")
@@ -219,7 +219,7 @@ def small_model(module: nn.Module, text: DriftingText | None = None) -> LoadedMo
 
 def test_a_model_whose_bf16_embeddings_disagree_serves_float32() -> None:
     model = small_model(Cancelling())
-    chosen = precision.settle(model, "auto", flags=AMX, timer=fake_timer(FAST_CAST))
+    chosen = precision.settle(model, "auto", flags=AMX, timer=FakeTimer(FAST_CAST))
     cast = chosen.towers[0].trials[0]
     assert cast.min_cosine is not None and cast.min_cosine < precision.MIN_COSINE
     assert (chosen.chosen, model.dtype, model.info.dtype) == ("float32", torch.float32, "float32")
@@ -228,7 +228,7 @@ def test_a_model_whose_bf16_embeddings_disagree_serves_float32() -> None:
 
 def test_a_top1_that_flips_in_bf16_serves_float32_though_the_embeddings_agree() -> None:
     model = small_model(NearTie())
-    chosen = precision.settle(model, "auto", flags=AMX, timer=fake_timer(FAST_CAST))
+    chosen = precision.settle(model, "auto", flags=AMX, timer=FakeTimer(FAST_CAST))
     cast = chosen.towers[0].trials[0]
     assert cast.min_cosine is not None and cast.min_cosine >= precision.MIN_COSINE
     assert cast.top1_same == 0
@@ -255,7 +255,7 @@ class DriftingText:
 def test_each_tower_chooses_for_itself() -> None:
     images_fine = nn.Sequential(nn.Flatten(), nn.Linear(16 * 16 * 3, 8))
     model = small_model(images_fine, DriftingText())
-    chosen = precision.settle(model, "auto", flags=ZEN4, timer=fake_timer(FAST_CAST))
+    chosen = precision.settle(model, "auto", flags=ZEN4, timer=FakeTimer(FAST_CAST))
     image, text = chosen.tower("image"), chosen.tower("text")
     assert image is not None and text is not None
     assert (image.numerics, text.numerics) == ("bfloat16 cast once", "float32"), chosen.reason

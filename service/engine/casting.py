@@ -84,7 +84,8 @@ class TowerCast:
 
     def release(self) -> None:
         """Forget the float32 originals once the choice is made (a cast tower then holds one copy)."""
-        self._originals = None if self.dtype != torch.float32 else self._originals
+        if self.dtype != torch.float32:
+            self._originals = None
 
     @contextlib.contextmanager
     def trying(self, dtype: torch.dtype) -> Iterator[None]:
