@@ -45,7 +45,9 @@ def create_app(settings: Settings | None = None, *, model: Model | None = None,
     app.extensions["greenserve"] = {"settings": settings, "runner": runner, "orchestrator": orchestrator,
                                     "balance": balance, "texts": texts}
     api.register(app)
-    app.wsgi_app = guard_body(app.wsgi_app)  # type: ignore[method-assign,assignment]  # Flask's middleware hook
+    # Flask's middleware hook
+    app.wsgi_app = guard_body(app.wsgi_app, settings.max_body_bytes,  # type: ignore[method-assign,assignment]
+                              settings.body_timeout_s)
     runner.start()
     balance.start(readiness=runner)
     return app

@@ -1,8 +1,11 @@
 """What the client's connection can do to a request: send a body with broken framing, or go away.
 
-    guard_body          a WSGI wrapper: gunicorn's errors while the body is read (a bad chunk size, a
-                        missing CRLF, the client hanging up mid-body) become a 400 ``malformed_body``
-                        instead of a 500 with a traceback
+    guard_body          a WSGI wrapper around the body's reads: gunicorn's framing errors (a bad chunk
+                        size, a missing CRLF, the client hanging up mid-body) become a 400
+                        ``malformed_body`` instead of a 500 with a traceback; a chunked body longer than
+                        GREENSERVE_MAX_BODY_BYTES is a 413 (werkzeug's own cap stops reading there without
+                        a word); a body that has not all arrived within GREENSERVE_BODY_TIMEOUT_S is a 408.
+                        After any of them the connection closes: the rest of the body will not be read
     cancel_on_hang_up   while a request works, a greenlet waits on its socket; end-of-file means the client
                         left, and ``ClientGone`` is thrown into the request where it waits (the batch already
                         running finishes, nothing else of it runs)
@@ -12,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import socket
+import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -19,46 +23,115 @@ import gevent
 from gevent.socket import wait_read
 from gunicorn.http.errors import NoMoreData, ParseException
 
-from service.errors import ClientGone, RequestError
+from service.errors import BodyTimeout, ClientGone, PayloadTooLarge, RequestError
 
 WSGIApp = Callable[[dict[str, Any], Callable[..., Any]], Iterable[bytes]]
 
 
-def guard_body(app: WSGIApp) -> WSGIApp:
+def guard_body(app: WSGIApp, max_body_bytes: int, body_timeout_s: float) -> WSGIApp:
     def wrapped(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
         stream = environ.get("wsgi.input")
-        if stream is not None:
-            environ["wsgi.input"] = _GuardedInput(stream)
-        return app(environ, start_response)
+        if stream is None:
+            return app(environ, start_response)
+        chunked = not environ.get("CONTENT_LENGTH")  # a Content-Length over the cap is werkzeug's 413
+        guarded = _GuardedInput(stream, max_body_bytes if chunked else None, time.monotonic() + body_timeout_s)
+        environ["wsgi.input"] = guarded
+        answer = app(environ, start_response)
+        sock = environ.get("gunicorn.socket")
+        if not guarded.refused or sock is None:
+            return answer
+        _close_after(start_response)
+        return _Lingering(answer, sock)
 
     return wrapped
 
 
+def _close_after(start_response: Callable[..., Any]) -> None:
+    """Close the connection after this answer. gunicorn's ``start_response`` is its Response's own method;
+    without this it would try to drain the unread body before the next request (a stalled one for as long
+    as its keep-alive timeout, an endless chunked one for ever)."""
+    force_close = getattr(getattr(start_response, "__self__", None), "force_close", None)
+    if force_close is not None:
+        force_close()
+
+
+LINGER_S = 2.0
+LINGER_BYTES = 8 << 20
+
+
+class _Lingering:
+    """A closing that lets the client read the answer (a lingering close, as nginx does): closed with its
+    body unread, the socket would answer the client's next bytes with a reset, and the client's TCP stack
+    would throw the answer away unread. So: the answer, our end of the sending shut, then what the client
+    still sends is read and dropped for at most ``LINGER_S`` and ``LINGER_BYTES``."""
+
+    def __init__(self, answer: Iterable[bytes], sock: socket.socket) -> None:
+        self._answer, self._sock = answer, sock
+
+    def __iter__(self) -> Iterator[bytes]:
+        return iter(self._answer)
+
+    def close(self) -> None:  # gunicorn calls it once the answer is written
+        close = getattr(self._answer, "close", None)
+        if close is not None:
+            close()
+        dropped = 0
+        try:
+            self._sock.shutdown(socket.SHUT_WR)
+            with gevent.Timeout(LINGER_S, False):
+                while dropped < LINGER_BYTES and (data := self._sock.recv(65536)):
+                    dropped += len(data)
+        except OSError:
+            pass
+
+
 class _GuardedInput:
-    def __init__(self, stream: Any) -> None:
-        self._stream = stream
+    def __init__(self, stream: Any, cap: int | None, deadline: float) -> None:
+        self._stream, self._cap, self._deadline = stream, cap, deadline
+        self._received = 0
+        self.refused = False
 
     def read(self, *args: Any) -> bytes:
-        return _framed(self._stream.read, *args)
+        data: bytes = self._guarded(self._stream.read, *args)
+        return self._counted(data)
 
     def readline(self, *args: Any) -> bytes:
-        return _framed(self._stream.readline, *args)
+        data: bytes = self._guarded(self._stream.readline, *args)
+        return self._counted(data)
 
     def readlines(self, *args: Any) -> list[bytes]:
-        return _framed(self._stream.readlines, *args)
+        return [self._counted(line) for line in self._guarded(self._stream.readlines, *args)]
 
     def __iter__(self) -> Iterator[bytes]:
         while line := self.readline():
             yield line
 
+    def _counted(self, data: bytes) -> bytes:
+        """werkzeug reads a chunked body up to the cap and no further, so reaching it means one more
+        byte decides: there is one, so the body was larger than allowed."""
+        self._received += len(data)
+        if self._cap is not None and data and self._received >= self._cap and self._guarded(self._stream.read, 1):
+            self.refused = True
+            raise PayloadTooLarge(f"the request body exceeds {self._cap} bytes; send fewer/smaller images or set "
+                                  "GREENSERVE_MAX_BODY_BYTES")
+        return data
 
-def _framed(read: Callable[..., Any], *args: Any) -> Any:
-    try:
-        return read(*args)
-    except (ParseException, NoMoreData) as exc:
-        raise RequestError(f"the request body is malformed or ended early ({type(exc).__name__}: {exc}); "
-                           "send a complete body with a valid Content-Length or chunked framing",
-                           code="malformed_body") from exc
+    def _guarded(self, read: Callable[..., Any], *args: Any) -> Any:
+        timer = gevent.Timeout(max(self._deadline - time.monotonic(), 0.001))
+        try:
+            with timer:
+                return read(*args)
+        except gevent.Timeout as exc:
+            if exc is not timer:  # someone else's deadline
+                raise
+            self.refused = True
+            raise BodyTimeout("the request body did not arrive in time; send it whole within "
+                              "GREENSERVE_BODY_TIMEOUT_S (or put a proxy that buffers bodies in front)") from None
+        except (ParseException, NoMoreData) as exc:
+            self.refused = True
+            raise RequestError(f"the request body is malformed or ended early ({type(exc).__name__}: {exc}); "
+                               "send a complete body with a valid Content-Length or chunked framing",
+                               code="malformed_body") from exc
 
 
 @contextlib.contextmanager

@@ -9,6 +9,7 @@
     ├── Unauthorized (401)            unauthorized
     ├── NotFound (404)                not_found: no such route; model_not_found: no such model or version
     ├── MethodNotAllowed (405)        method_not_allowed
+    ├── BodyTimeout (408)             body_timeout: the body did not arrive within GREENSERVE_BODY_TIMEOUT_S
     ├── PayloadTooLarge (413)         body_too_large, too_many_images, too_many_texts, text_too_long,
     │                                 too_many_labels, json_too_complex
     ├── UnsupportedMediaType (415)    unsupported_content_type, unsupported_content_encoding
@@ -69,6 +70,13 @@ class NotFound(GreenserveError):
 class MethodNotAllowed(GreenserveError):
     status_code = 405
     code = "method_not_allowed"
+
+
+class BodyTimeout(GreenserveError):
+    """The request body did not all arrive in time; the connection closes after the answer."""
+
+    status_code = 408
+    code = "body_timeout"
 
 
 class PayloadTooLarge(GreenserveError):

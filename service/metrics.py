@@ -10,6 +10,7 @@ the variable is set would not be shared.
 from __future__ import annotations
 
 import os
+import time
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -42,20 +43,36 @@ TEXTS = Counter("greenserve_texts_total", "Texts through the text tower")
 TEXT_CACHE = Counter("greenserve_text_cache_total", "Label and query embeddings looked up in the worker's cache",
                      ["result"])
 OVERLOADED = Counter("greenserve_rejected_total", "Requests refused before any work (503)", ["reason"])
+LAST_FORWARD = Gauge("greenserve_last_forward_timestamp_seconds", "When a worker last ran an image batch (Unix "
+                     "time; OIP statistics' last_inference)", multiprocess_mode="max")
+
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
 
 def exposition() -> tuple[bytes, str]:
     """The text for ``GET /metrics``: all workers' metrics when running under gunicorn."""
+    return generate_latest(_registry()), CONTENT_TYPE_LATEST
+
+
+def samples() -> Samples:
+    """Every sample summed over the workers, by (sample name, sorted labels): for routes that report
+    metrics in their own shape (OIP statistics)."""
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for metric in _registry().collect() for s in metric.samples}
+
+
+def _registry() -> CollectorRegistry:
     if os.environ.get(ENV):
         registry = CollectorRegistry()
         multiprocess.MultiProcessCollector(registry)
-        return generate_latest(registry), CONTENT_TYPE_LATEST
+        return registry
     from prometheus_client import REGISTRY
 
-    return generate_latest(REGISTRY), CONTENT_TYPE_LATEST
+    return REGISTRY
 
 
 def observe_batch(size: int, seconds: float) -> None:
+    LAST_FORWARD.set(time.time())
     IMAGES.inc(size)
     BATCH_SIZE.observe(size)
     BATCH_SECONDS.observe(seconds)

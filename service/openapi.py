@@ -24,11 +24,12 @@ from service.settings import Settings
 OPENAPI_VERSION = "3.1.0"
 # what an inference request can be answered with besides 200: every status of the error tree that a
 # parsed request reaches (404 only where a model is named; 401 is added with a token; 405 is routing's)
-INFERENCE_STATUSES = (400, 413, 415, 422, 499, 500, 503, 504)
+INFERENCE_STATUSES = (400, 408, 413, 415, 422, 499, 500, 503, 504)
 STATUS_TEXT = {
     400: "the request is malformed or asks for what the model cannot do (see error.code)",
     401: "missing or wrong bearer token (Authorization: Bearer <GREENSERVE_API_TOKEN>)",
     404: "no such model",
+    408: "the body did not arrive whole within GREENSERVE_BODY_TIMEOUT_S; the connection is closed",
     413: "the body, an image, a text or the number of images/texts/labels is over its limit",
     415: "the Content-Type, or every failing image's format, is not accepted",
     422: "images could not be used (fetch failed, not an image...): error.details has one item per image",

@@ -103,6 +103,9 @@ class Settings:
                                      parse="int", lo=1)
     max_body_bytes: int = _setting(64 * 1024 * 1024, "request body size", unit="bytes", parse="int",
                                    lo=1024)
+    body_timeout_s: float = _setting(30.0, "how long a request body may take to arrive whole (408 and the "
+                                     "connection closed after it), so a stalled client cannot hold a worker's "
+                                     "connection", unit="s", parse="float", lo=0.1, hi=3600)
     max_texts: int = _setting(512, "texts per request (text embeddings)", parse="int", lo=1, hi=100_000)
     max_text_chars: int = _setting(2000, "characters per text, query, label or template", parse="int", lo=1,
                                    hi=1_000_000)

@@ -230,20 +230,48 @@ def _cache_counts(server: GunicornServer) -> dict[str, float]:
     return counts
 
 
-def test_the_openai_sdk_embeds_texts_only_when_asked(clip_server: GunicornServer) -> None:
+def test_openai_strings_are_texts_on_clip_and_are_never_fetched(clip_server: GunicornServer,
+                                                                image_host: ImageHost) -> None:
     import openai
 
     native = vectors(post(clip_server, "embeddings", {"texts": TEXTS}))
     image = vectors(post(clip_server, "embeddings", {"images": ["img000.jpg"]}))
     with openai.OpenAI(base_url=f"{clip_server.url}/v1", api_key="unused", max_retries=0, timeout=120) as client:
-        texts = client.embeddings.create(model=f"open_clip:{ARCH}", input=TEXTS, extra_body={"modality": "text"})
-        photo = client.embeddings.create(model=f"open_clip:{ARCH}", input=["img000.jpg"])  # no modality: an image
+        texts = client.embeddings.create(model=f"open_clip:{ARCH}", input=TEXTS)  # as OpenAI's own API
+        query = client.embeddings.create(model=f"open_clip:{ARCH}", input=TEXTS[1])
+        photo = client.embeddings.create(model=f"open_clip:{ARCH}", input=["img000.jpg"],
+                                         extra_body={"modality": "image"})
     np.testing.assert_allclose([e.embedding for e in texts.data], native, atol=1e-6)
+    np.testing.assert_allclose(query.data[0].embedding, native[1], atol=1e-6)
     assert texts.usage.prompt_tokens == 7 + 10 + 9
     np.testing.assert_allclose(photo.data[0].embedding, image[0], atol=1e-6)
-    objects = requests.post(clip_server.url + "/v1/embeddings", timeout=60, json={
-        "model": f"open_clip:{ARCH}", "input": [{"text": t} for t in TEXTS]})
+    assert not any(t.split()[0] in path for t in TEXTS for path in image_host.hits), image_host.hits
+    url = image_host.url("img000.jpg")
+    for inputs in ([{"image": url}], [{"type": "image_url", "image_url": {"url": url}}], [{"url": "img000.jpg"}]):
+        r = post(clip_server, "embeddings", {"model": f"open_clip:{ARCH}", "input": inputs})
+        np.testing.assert_allclose(vectors(r), image, atol=1e-6)
+    objects = post(clip_server, "embeddings", {"model": f"open_clip:{ARCH}", "input": [{"text": t} for t in TEXTS]})
     np.testing.assert_allclose(vectors(objects), native, atol=1e-6)
-    mixed = requests.post(clip_server.url + "/v1/embeddings", timeout=60, json={
-        "model": f"open_clip:{ARCH}", "input": [{"text": TEXTS[0]}, "img000.jpg"]})
-    assert mixed.status_code == 400 and mixed.json()["error"]["code"] == "invalid_request"
+    for mixed in ([{"text": TEXTS[0]}, {"image": url}], [TEXTS[0], {"image": url}]):
+        r = post(clip_server, "embeddings", {"model": f"open_clip:{ARCH}", "input": mixed})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_request", r.text
+        assert "modality" in r.json()["error"]["message"]
+
+
+def test_langchain_and_llamaindex_embed_texts_as_their_users_write_it(clip_server: GunicornServer) -> None:
+    import openai
+    from langchain_openai import OpenAIEmbeddings
+    from llama_index.embeddings.openai_like import OpenAILikeEmbedding
+
+    native = vectors(post(clip_server, "embeddings", {"texts": TEXTS}))
+    model = f"open_clip:{ARCH}"
+    chain = OpenAIEmbeddings(model=model, base_url=f"{clip_server.url}/v1", api_key="unused",
+                             check_embedding_ctx_length=False)  # its setting for servers that take strings
+    np.testing.assert_allclose(chain.embed_documents(TEXTS), native, atol=1e-6)
+    np.testing.assert_allclose(chain.embed_query(TEXTS[1]), native[1], atol=1e-6)
+    with pytest.raises(openai.APIStatusError, match="chunk_size") as over:  # one call of more than the limit
+        chain.embed_documents([f"text {i}" for i in range(17)])  # (LIMITS: 16 texts)
+    assert over.value.status_code == 413
+    llama = OpenAILikeEmbedding(model_name=model, api_base=f"{clip_server.url}/v1", api_key="unused")
+    np.testing.assert_allclose(llama.get_text_embedding_batch(TEXTS), native, atol=1e-6)
+    np.testing.assert_allclose(llama.get_query_embedding(TEXTS[1]), native[1], atol=1e-6)

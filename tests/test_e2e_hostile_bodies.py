@@ -4,6 +4,8 @@ the same workers answering afterwards."""
 
 from __future__ import annotations
 
+import base64
+import gzip
 import json
 
 import pytest
@@ -11,6 +13,7 @@ import requests
 
 from harness.imagehost import ImageHost
 from harness.launch import GunicornServer
+from tests import images
 from tests.conftest import E2E_MODEL, GUARD_TOKEN
 from tests.test_e2e_protocol_refusals import code_of
 
@@ -27,6 +30,23 @@ def oip(url: str) -> str:
 
 def oip_body(data: object, **extra: object) -> dict[str, object]:
     return {"inputs": [{"name": "IMAGE", "datatype": "BYTES", "shape": [1], "data": data}], **extra}
+
+
+def gzip_post(url: str, body: bytes) -> requests.Response:
+    return requests.post(oip(url), data=body, headers={**JSON, "Content-Encoding": "gzip"}, timeout=TIMEOUT)
+
+
+def gzip_cases(url: str) -> list[tuple[str, requests.Response, int, str]]:
+    """A gzip stream is every member in it: the cap holds for all of them, and a stream that is cut short or
+    followed by garbage is refused, not half-read (the e2e body cap is 8 MiB)."""
+    whole = json.dumps(oip_body([base64.b64encode(images.jpeg(64, 64, seed=1)).decode()])).encode()
+    member = gzip.compress(whole)
+    bomb = gzip.compress(b" " * (64 << 20), compresslevel=9)  # 64 MiB of JSON whitespace in ~64 KB
+    return [("a valid member, then a bomb member", gzip_post(url, member + bomb), 413, "body_too_large"),
+            ("a valid member, then garbage", gzip_post(url, member + b"garbage!"), 400, "invalid_tensor"),
+            ("a member cut at 3/4", gzip_post(url, member[:len(member) * 3 // 4]), 400, "invalid_tensor"),
+            ("a request split over two members", gzip_post(url, gzip.compress(whole[:20]) + gzip.compress(whole[20:])),
+             200, "")]
 
 
 def hostile(url: str) -> list[tuple[str, requests.Response, int, str]]:
@@ -54,6 +74,9 @@ def hostile(url: str) -> list[tuple[str, requests.Response, int, str]]:
             oip_body(["img000.jpg"], parameters={"timeout": 10**400})).encode()), 400, "invalid_json"),
         ("an OIP output asked for twice", post(oip(url), timeout=TIMEOUT, json=oip_body(
             ["img000.jpg"], outputs=[{"name": "EMBEDDING"}] * 40_000)), 400, "duplicate_output"),
+        ("1.5 million one-letter strings", post(f"{url}/v1/embeddings", headers=JSON, timeout=TIMEOUT,
+                                                data=b'{"images": ["img000.jpg"], "x": [' + b",".join(
+                                                    [b'"a"'] * 1_500_000) + b"]}"), 413, "json_too_complex"),
         ("200,000 empty arrays", post(f"{url}/v1/embeddings", data=brackets, headers=JSON, timeout=TIMEOUT),
          413, "json_too_complex"),
         ("a form part with no name, native", post(f"{url}/v1/embeddings", data=nameless, headers=form,
@@ -65,13 +88,15 @@ def hostile(url: str) -> list[tuple[str, requests.Response, int, str]]:
            415, "unsupported_content_encoding")
           for path in ("/v1/embeddings", "/v1/classify", f"/v1/models/{E2E_MODEL}:predict",
                        f"/predictions/{E2E_MODEL}")],
+        *gzip_cases(url),
     ]
 
 
 def test_hostile_bodies_get_their_codes_and_the_workers_answer_after(server: GunicornServer) -> None:
     pids = server.worker_pids()
     for what, response, status, code in hostile(server.url):
-        assert (response.status_code, code_of(response)) == (status, code), f"{what}: {response.text[:300]}"
+        got = code_of(response) if response.status_code >= 400 else ""
+        assert (response.status_code, got) == (status, code), f"{what}: {response.text[:300]}"
         assert int(response.headers["X-Worker-PID"]) in pids, what
     assert server.worker_pids() == pids and server.healthz_pids() == pids
     ok = requests.post(f"{server.url}/v1/embeddings", json={"images": ["img000.jpg"]}, timeout=TIMEOUT)

@@ -223,3 +223,37 @@ def test_a_flood_gets_503_with_retry_after(guarded: GunicornServer, album: dict[
     assert refused and all(int(r.headers["Retry-After"]) >= 1 and r.json()["code"] == "overloaded" for r in refused)
     with client(guarded, concurrency=1) as c:  # and the worker answers afterwards
         assert c.infer(E2E_MODEL, [image_input([album["img000.jpg"]])], headers=auth).as_numpy("EMBEDDING").shape == (1, 512)
+
+
+def test_statistics_in_tritons_shape_count_this_infer(server: GunicornServer, album: dict[str, bytes]) -> None:
+    with client(server) as c:
+        before = c.get_inference_statistics(E2E_MODEL)["model_stats"][0]
+        c.infer(E2E_MODEL, [image_input([album[n] for n in NAMES])])
+        after = c.get_inference_statistics(E2E_MODEL, "1")["model_stats"][0]
+        every = c.get_inference_statistics()["model_stats"]
+        with pytest.raises(InferenceServerException, match="unknown model"):
+            c.get_inference_statistics("nope")
+    assert (after["name"], after["version"]) == (E2E_MODEL, "1") and [m["name"] for m in every] == [E2E_MODEL]
+    assert after["inference_count"] >= before["inference_count"] + len(NAMES)
+    assert after["execution_count"] >= before["execution_count"] + 1
+    stats, was = after["inference_stats"], before["inference_stats"]
+    for key in ("success", "queue", "compute_input", "compute_infer"):
+        assert stats[key]["count"] >= was[key]["count"] + 1 and stats[key]["ns"] > was[key]["ns"], key
+    assert stats["success"]["ns"] >= stats["compute_infer"]["ns"]
+    assert after["last_inference"] >= before["last_inference"] and after["last_inference"] > 1.7e12  # ms, Unix
+
+
+def test_extensions_it_does_not_serve_answer_in_oip_shape(server: GunicornServer) -> None:
+    pids = server.worker_pids()
+    calls = [("GET", "/v2/systemsharedmemory/status"), ("POST", "/v2/systemsharedmemory/region/r/register"),
+             ("GET", "/v2/cudasharedmemory/status"), ("POST", "/v2/cudasharedmemory/region/r/unregister"),
+             ("GET", "/v2/trace/setting"), ("POST", "/v2/logging"), ("POST", f"/v2/repository/models/{E2E_MODEL}/load"),
+             ("DELETE", f"/v2/models/{E2E_MODEL}/infer"), ("GET", f"/v2/models/{E2E_MODEL}/infer")]
+    for method, path in calls:
+        r = requests.request(method, server.url + path, json={}, timeout=TIMEOUT)
+        assert r.status_code in (400, 404, 405) and r.headers["Content-Type"] == "application/json", (path, r.text)
+        assert isinstance(r.json()["error"], str) and r.json()["code"], (path, r.text)
+    with client(server) as c, pytest.raises(InferenceServerException) as err:
+        c.get_system_shared_memory_status()
+    assert "not" in str(err.value).lower() and "<html" not in str(err.value).lower()
+    assert server.worker_pids() == pids

@@ -76,6 +76,8 @@ def test_refusals_raise_the_sdks_errors_with_greenserve_codes(server: GunicornSe
             with pytest.raises(openai.BadRequestError) as err:
                 client.embeddings.create(model=E2E_MODEL, **kwargs)  # type: ignore[arg-type]
             assert err.value.code == code, err.value.body
+            if code == "token_input_not_supported":  # LangChain's default: the message names its setting
+                assert "check_embedding_ctx_length=False" in err.value.message
         with pytest.raises(openai.NotFoundError) as missing:
             client.embeddings.create(model="text-embedding-3-small", input=["img004.jpg"])
         assert missing.value.code == "model_not_found"

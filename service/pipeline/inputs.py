@@ -29,6 +29,10 @@ _LABEL_MAX = 200
 TEXT_FORM_FIELDS = ("template", "query")  # form fields that stay strings
 # arrays + objects in one JSON body: the largest real request (OIP JSON, 64 images as [[...]]) has ~130
 MAX_JSON_CONTAINERS = 100_000
+# commas: an upper bound on the body's items, each a Python object once parsed. Within the default limits a
+# request has at most 512 texts of 2,000 characters (1.02 M if every character were a comma), plus its
+# images and labels; 15 M one-letter strings (60 MB) would be ~0.9 GB and seconds of the GIL
+MAX_JSON_ITEMS = 1_100_000
 
 
 @dataclass(frozen=True)
@@ -63,7 +67,8 @@ def load_json(body: bytes, example: str = '{"images": ["https://.../a.jpg"]}') -
     orjson, not the standard library: it refuses lone surrogates (which no answer could echo back), nests
     at most 1,024 deep (the standard library's recursion ran out on 100,000 ``[``), and builds the document
     several times faster. Before it, a count of the body's arrays and objects bounds what parsing may
-    allocate: 20 million ``[]`` (60 MB) would be 1.1 GB of empty lists."""
+    allocate: 20 million ``[]`` (60 MB) would be 1.1 GB of empty lists; a count of its commas bounds the
+    items (15 million ``"a"``)."""
     if not body.strip():
         raise RequestError(f"the request body is empty; send JSON like {example}", code="invalid_json")
     containers = body.count(b"[") + body.count(b"{")
@@ -71,6 +76,10 @@ def load_json(body: bytes, example: str = '{"images": ["https://.../a.jpg"]}') -
         raise PayloadTooLarge(f"the JSON body has {containers:,} arrays and objects; a request needs a few "
                               f"(at most {MAX_JSON_CONTAINERS:,}): send images as strings in one list",
                               code="json_too_complex")
+    items = body.count(b",")
+    if items > MAX_JSON_ITEMS:
+        raise PayloadTooLarge(f"the JSON body has {items:,} commas, more than any request within the limits "
+                              f"({MAX_JSON_ITEMS:,}); send fewer items per request", code="json_too_complex")
     try:
         doc = orjson.loads(body)
     except orjson.JSONDecodeError as exc:

@@ -66,8 +66,11 @@ def _texts(value: Any, field: str, limit: int, code: str, settings: Settings) ->
     if not isinstance(value, list) or not value:
         raise RequestError(f'"{field}" must be a non-empty list of strings', code="empty_text")
     if len(value) > limit:
-        raise PayloadTooLarge(f"{len(value)} {field} in one request; the limit is {limit}. Split the request or "
-                              f"set GREENSERVE_MAX_{'LABELS' if field == 'labels' else 'TEXTS'}", code=code)
+        clients = "" if field == "labels" else (" (LangChain's OpenAIEmbeddings: chunk_size; LlamaIndex: "
+                                                "embed_batch_size)")
+        raise PayloadTooLarge(f"{len(value)} {field} in one request; the limit is {limit}. Split the request"
+                              f"{clients} or set GREENSERVE_MAX_{'LABELS' if field == 'labels' else 'TEXTS'}",
+                              code=code)
     out = []
     for i, text in enumerate(value):
         if not isinstance(text, str) or not text.strip():

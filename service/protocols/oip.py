@@ -19,9 +19,10 @@ from importlib.metadata import PackageNotFoundError, version
 import orjson
 from flask import Blueprint, Response, g, request
 
-from service import serving
+from service import metrics, serving
 from service.engine.model import ModelInfo
 from service.errors import NotFound, PayloadTooLarge, UnsupportedMediaType
+from service.protocols import oip_stats
 from service.protocols import oip_wire as wire
 from service.protocols.surface import Surface, flat_error_body
 
@@ -29,11 +30,11 @@ bp = Blueprint("oip", __name__)
 SURFACE = Surface("oip", re.compile(r"^/v2(/|$)"),
                   re.compile(r"^/v2/?$|^/v2/health/(live|ready)$|^/v2/models/[^/]+(/versions/[^/]+)?/ready$"),
                   flat_error_body)
-EXTENSIONS = ["binary_tensor_data", "classification", "model_configuration", "parameters"]
+EXTENSIONS = ["binary_tensor_data", "classification", "model_configuration", "parameters", "statistics"]
 VERSION = "1"  # one model, one version: /versions/1 is accepted, any other is 404
 _MODEL = "/v2/models/<name>"
 _VERSIONED = "/v2/models/<name>/versions/<version>"
-_INFLATE_CHUNK = 1024 * 1024
+_GZIP_MAGIC = b"\x1f\x8b"
 
 
 def _package_version() -> str:
@@ -116,6 +117,18 @@ def model_config(name: str, version: str | None = None) -> Response:
         "version_policy": {"latest": {"num_versions": 1}}})
 
 
+@bp.get("/v2/models/stats")
+@bp.get(_MODEL + "/stats")
+@bp.get(_VERSIONED + "/stats")
+def statistics(name: str | None = None, version: str | None = None) -> Response:
+    """Triton's inference statistics for the one model (``/v2/models/stats``: every model, so that one)."""
+    p = serving.parts()
+    if name is not None:
+        _check_model(p, name, version)
+    entry = oip_stats.model_stats(metrics.samples(), name or serving.model_name(p), VERSION)
+    return serving.json_response({"model_stats": [entry]})
+
+
 @bp.post(_MODEL + "/infer")
 @bp.post(_VERSIONED + "/infer")
 def infer(name: str, version: str | None = None) -> Response:
@@ -150,15 +163,25 @@ def _inflate(p: serving.Parts, body: bytes) -> bytes:
 
 
 def _decompress(body: bytes, encoding: str, limit: int) -> bytes:
-    inflater = zlib.decompressobj(zlib.MAX_WBITS | 32)  # either header: gzip or zlib
-    try:
-        out = inflater.decompress(body, limit + 1)
-    except zlib.error as exc:
-        raise wire.invalid(f"the {encoding} body does not inflate ({exc})") from exc
-    if len(out) > limit:
-        raise PayloadTooLarge(f"the body inflates past {limit} bytes; send fewer/smaller images or set "
-                              "GREENSERVE_MAX_BODY_BYTES")
-    return out
+    """Every gzip member in turn (a gzip stream may have several), all within ``limit``; what is not a whole
+    stream (cut short, or followed by bytes that are not another member) is refused, not half-read."""
+    out, rest = bytearray(), body
+    while True:
+        inflater = zlib.decompressobj(zlib.MAX_WBITS | 32)  # either header: gzip or zlib
+        try:
+            out += inflater.decompress(rest, limit + 1 - len(out))  # at least 1: 0 would mean no cap
+        except zlib.error as exc:
+            raise wire.invalid(f"the {encoding} body does not inflate ({exc})") from exc
+        if len(out) > limit:
+            raise PayloadTooLarge(f"the body inflates past {limit} bytes; send fewer/smaller images or set "
+                                  "GREENSERVE_MAX_BODY_BYTES")
+        if not inflater.eof:
+            raise wire.invalid(f"the {encoding} body ends before its compressed stream does (cut short?)")
+        rest = inflater.unused_data
+        if not rest:
+            return bytes(out)
+        if encoding != "gzip" or not rest.startswith(_GZIP_MAGIC):
+            raise wire.invalid(f"the {encoding} body has {len(rest)} bytes after its compressed stream")
 
 
 def _compressed(body: bytes, mimetype: str, headers: dict[str, str]) -> Response:

@@ -2,9 +2,12 @@
 ``GET /v1/models``, answered with supersets of the native bodies so that native callers and the openai SDK
 read the same response.
 
-Images are the default modality: a string is a URL, a data: URL or a relative name, never silently a
-text (an embedding server that tokenises a data: URL as text returns 200 with a meaningless vector).
-Texts need ``"modality": "text"`` or ``{"text": ...}`` items, and a model with a text tower.
+A string is what OpenAI's clients mean by it: on a model with a text tower (CLIP) a text, as in OpenAI's
+API, Infinity and vLLM, so LangChain and LlamaIndex embed documents and queries with no extra setting; a
+text is never fetched. Images there come as objects (``{"image": ...}``, ``{"type": "image_url", ...}``)
+or as strings with ``"modality": "image"`` (Infinity's parameter). On an image-only model a string is an
+image reference (a URL, a data: URL or a relative name), as before; ``{"text": ...}`` items are texts
+everywhere, and ``"modality": "text"`` says so for strings.
 The SDK asks for ``"encoding_format": "base64"`` by default: little-endian float32, base64-encoded.
 """
 
@@ -59,7 +62,7 @@ def parse(doc: Mapping[str, Any], settings: Settings, info: ModelInfo | None,
         if not isinstance(value, bool):
             raise RequestError(f"{key} must be true or false; got {value!r}")
     items = _items(doc["input"])
-    texts = _texts(items, doc.get("modality"))
+    texts = _texts(items, doc.get("modality"), info is not None and "text" in info.towers)
     if texts is not None:
         text = parse_text_options({"texts": texts, **{k: doc[k] for k in ("truncate",) if k in doc}},
                                   "embeddings", settings)
@@ -74,31 +77,36 @@ def _items(value: Any) -> list[Any]:
     if not isinstance(items, list) or not items:
         raise RequestError('"input" must be a string or a non-empty list of image URLs, data: URLs or objects')
     if all(isinstance(x, int) and not isinstance(x, bool) for x in items) or any(isinstance(x, list) for x in items):
-        raise RequestError("token arrays are not accepted: send images as URLs or data: URLs (or texts as "
-                           'strings with "modality": "text"); with LangChain set check_embedding_ctx_length=False',
-                           code="token_input_not_supported")
+        raise RequestError("token arrays are not accepted: send texts as strings and images as URLs or data: "
+                           "URLs; LangChain's OpenAIEmbeddings sends tokens unless you set "
+                           "check_embedding_ctx_length=False", code="token_input_not_supported")
     return items
 
 
-def _texts(items: list[Any], modality: Any) -> list[str] | None:
-    """The texts, when the request is explicitly about texts; None for images."""
+def _texts(items: list[Any], modality: Any, strings_are_texts: bool) -> list[str] | None:
+    """The texts of a request about texts; None for images. ``strings_are_texts``: the model has a text
+    tower, so a plain string is a text unless ``"modality": "image"`` says otherwise."""
     if modality not in (None, "image", "text"):
-        raise RequestError(f'modality must be "image" (the default) or "text"; got {modality!r}')
-    text_items = [_text_of(x) for x in items]
+        raise RequestError(f'modality must be "image" or "text"; got {modality!r}')
     if modality == "text":
         if not all(isinstance(x, str) for x in items):
             raise RequestError('with "modality": "text" every input must be a string')
         return list(items)
+    text_items = [_text_of(x, strings_are_texts and modality is None) for x in items]
     if all(t is not None for t in text_items):
         if modality == "image":
             raise RequestError('"modality": "image" with {"text": ...} inputs; send images, or modality "text"')
         return [t for t in text_items if t is not None]
     if any(t is not None for t in text_items):
-        raise RequestError("inputs mix texts and images; send one kind per request")
+        raise RequestError("inputs mix texts and images; send one kind per request (on a model with a text "
+                           'tower a string is a text: send images as {"image": "<url>"} or with "modality": '
+                           '"image")')
     return None
 
 
-def _text_of(item: Any) -> str | None:
+def _text_of(item: Any, strings: bool) -> str | None:
+    if strings and isinstance(item, str):
+        return item
     if isinstance(item, dict) and set(item) - {"type"} == {"text"} and item.get("type", "text") == "text":
         return item["text"] if isinstance(item["text"], str) else ""
     return None
