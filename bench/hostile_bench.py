@@ -1,7 +1,7 @@
 """What a hostile body costs the worker that gets it: ``python -m bench.hostile_bench [--model resnet18] [--reps 2]``.
 
 One worker at the default limits (64 MiB bodies, 64 images, a 30 s body deadline). For each attack, sent
-``--reps`` times one after another: its answer (status and code), the seconds to answer, the hub's
+``--reps`` times one after another (and for at least 2 s): its answer (status and code), the seconds to answer, the hub's
 ``/healthz`` latency meanwhile (one keep-alive client every 20 ms) and the worker's peak resident memory
 over its idle level (``/proc/<pid>/status`` sampled every 5 ms). The first row is no attack at all, the
 yardstick for the probe; the last ones are the largest bodies the limits let through, parsed whole.
@@ -31,6 +31,7 @@ from harness.launch import ROOT, GunicornServer
 OUT = ROOT / "bench" / "out"
 MB = 1 << 20
 JSON = {"Content-Type": "application/json"}
+MIN_S = 2.0  # each attack is repeated for at least this long, so the probe has samples
 
 
 def attacks(model: str) -> dict[str, Callable[[int], tuple[int, str]]]:
@@ -47,9 +48,12 @@ def attacks(model: str) -> dict[str, Callable[[int], tuple[int, str]]]:
         "100,000-deep JSON": ("/v1/embeddings", b"[" * 100_000 + b"]" * 100_000),
         "OIP: one output asked 40,000 times": (oip, json.dumps({**oip_one, "outputs": [{"name": "EMBEDDING"}] * 40_000})
                                                .encode()),
-        "largest allowed: 1.09 million strings": ("/v1/embeddings", b'{"images":["x"],"x":[' + b",".join(
-            [b'"a"'] * 1_090_000) + b"]}"),
+        "largest allowed: 249,000 strings": ("/v1/embeddings", b'{"images":["x"],"x":[' + b",".join(
+            [b'"a"'] * 249_000) + b"]}"),
         "largest allowed: one 63 MB string": ("/v1/embeddings", b'{"images":["x"],"x":"' + b"a" * (63 * MB) + b'"}'),
+        "allowed: 16 MiB of data: URLs (JSON)": ("/v1/embeddings", _data_urls(16 * MB)),
+        "allowed: 32 MiB of data: URLs (JSON)": ("/v1/embeddings", _data_urls(32 * MB)),
+        "largest allowed: 63 MiB of data: URLs (JSON)": ("/v1/embeddings", _data_urls(63 * MB)),
         "largest allowed: 64 images, both outputs (OIP)": (oip, json.dumps(
             {"inputs": [{"name": "IMAGE", "datatype": "BYTES", "shape": [64], "data": [photo] * 64}]}).encode()),
     }
@@ -58,6 +62,16 @@ def attacks(model: str) -> dict[str, Callable[[int], tuple[int, str]]]:
     out["none (healthz alone)"] = lambda port: (time.sleep(1.0), (200, ""))[1]
     out["50 stalled bodies at once (30 s deadline)"] = _stalled
     return out
+
+
+def _data_urls(size: int) -> bytes:
+    """Images as data: URLs in one JSON body of about ``size`` bytes: junk base64 (fast to refuse, 422
+    not_an_image), so the row is the body's reading and parsing."""
+    per = 15 * MB
+    n, last = divmod(size, per)
+    urls = ["data:image/jpeg;base64," + "A" * per for _ in range(n)] + (["data:image/jpeg;base64," + "A" * last]
+                                                                     if last > 1024 else [])
+    return json.dumps({"images": urls}).encode()
 
 
 def _post(port: int, path: str, body: bytes) -> tuple[int, str]:
@@ -82,10 +96,12 @@ def _stalled(port: int) -> tuple[int, str]:
     for s in socks:
         s.sendall(b"POST /v1/embeddings HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                   b"Transfer-Encoding: chunked\r\n\r\nffffffffffffffff\r\nabc")
-    first = socks[0].recv(4096)
+    first = b""
+    while b"body_timeout" not in first and (piece := socks[0].recv(4096)):  # the head, then the body
+        first += piece
     for s in socks:
         s.close()
-    return int(first.split()[1]), "body_timeout" if b"body_timeout" in first else first[:60].decode("latin-1")
+    return int(first.split()[1]), "body_timeout" if b"body_timeout" in first else first[:40].decode("latin-1").split("\r\n")[0]
 
 
 class Watch:
@@ -144,8 +160,10 @@ def main(argv: list[str] | None = None) -> int:
             idle = rss_bytes(pid)
             with Watch(srv.port, pid) as watch:
                 t0 = time.perf_counter()
-                answers = [attack(srv.port) for _ in range(args.reps)]
-                took = (time.perf_counter() - t0) / args.reps
+                answers = []
+                while len(answers) < args.reps or time.perf_counter() - t0 < MIN_S:  # enough probes
+                    answers.append(attack(srv.port))
+                took = (time.perf_counter() - t0) / len(answers)
             ms = sorted(watch.health_ms)
             rows.append({"attack": name, "answer": ", ".join(sorted({f"{s} {c}" for s, c in answers})),
                          "s per attack": round(took, 2), "healthz p50 ms": round(statistics.median(ms), 1),

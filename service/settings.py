@@ -106,7 +106,8 @@ class Settings:
     body_timeout_s: float = _setting(30.0, "how long a request body may take to arrive whole (408 and the "
                                      "connection closed after it), so a stalled client cannot hold a worker's "
                                      "connection", unit="s", parse="float", lo=0.1, hi=3600)
-    max_texts: int = _setting(512, "texts per request (text embeddings)", parse="int", lo=1, hi=100_000)
+    max_texts: int = _setting(1024, "texts per request (text embeddings); LangChain's OpenAIEmbeddings sends 1,000 "
+                              "per call by default", parse="int", lo=1, hi=100_000)
     max_text_chars: int = _setting(2000, "characters per text, query, label or template", parse="int", lo=1,
                                    hi=1_000_000)
     max_labels: int = _setting(1000, "labels per zero-shot classify request", parse="int", lo=1, hi=100_000)

@@ -149,7 +149,10 @@ class Runner:
         with self.scheduling.decode_slot(rank):
             outcome = self._decode_pool.apply(_capture_expected, (self.settings.compute_nice, fn, args))
         if isinstance(outcome, _Raised):
-            raise outcome.error
+            try:
+                raise outcome.error
+            finally:  # the error's traceback holds this frame: through ``outcome`` it would be a cycle, and
+                outcome = None  # the failed body and its parsed document would wait for the cyclic GC
         return outcome
 
     def infer(self, pixels: np.ndarray | EncodedJpeg, deadline: float | None, admission: Admission) -> AsyncResult:
