@@ -1,4 +1,5 @@
-"""What the client's connection can do to a request: send a body with broken framing, or go away.
+"""What the client's connection can do to a request: send a body with broken framing, too long or too
+slowly, or go away.
 
     guard_body          a WSGI wrapper around the body's reads: gunicorn's framing errors (a bad chunk
                         size, a missing CRLF, the client hanging up mid-body) become a 400
