@@ -105,8 +105,9 @@ def openai_request(settings: Settings, models: list[str], dim: int | None) -> Sc
         "dimensions": {"type": "integer", **({"enum": [dim]} if dim else {}),
                        "description": "the model's embedding_dim (embeddings are not shortened)"},
         "user": {"type": "string", "description": "accepted and ignored"},
-        "modality": {"enum": ["image", "text"], "default": "image",
-                     "description": 'strings are images unless "text" (models with a text tower)'},
+        "modality": {"enum": ["image", "text"],
+                     "description": "what the strings in input are; unset, texts on a model with a text tower "
+                                    "(CLIP), images otherwise"},
         **{k: schemas[k] for k in ("normalize", "partial", "truncate")},
     }
     return obj({name: properties[name] for name in openai.FIELDS}, ("input",))
