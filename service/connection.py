@@ -23,8 +23,9 @@ from typing import Any
 import gevent
 from gevent.socket import wait_read
 from gunicorn.http.errors import NoMoreData, ParseException
+from werkzeug.exceptions import RequestEntityTooLarge
 
-from service.errors import BodyTimeout, ClientGone, PayloadTooLarge, RequestError
+from service.errors import BodyTimeout, ClientGone, RequestError
 
 WSGIApp = Callable[[dict[str, Any], Callable[..., Any]], Iterable[bytes]]
 
@@ -139,8 +140,7 @@ class _GuardedInput:
         if self._cap is not None and data and self._received >= self._cap and (
                 self._received > self._cap or self._guarded(self._stream.read, 1)):
             self.refused = True
-            raise PayloadTooLarge(f"the request body exceeds {self._cap} bytes; send fewer/smaller images or set "
-                                  "GREENSERVE_MAX_BODY_BYTES")
+            raise RequestEntityTooLarge()  # werkzeug's own, so the one 413 handler words it (api.handle_http)
         return data
 
     def _guarded(self, read: Callable[..., Any], *args: Any) -> Any:

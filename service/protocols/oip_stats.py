@@ -21,7 +21,7 @@ from typing import Any
 
 from service.metrics import Samples
 
-INFER_ROUTES = ("/infer", ":predict", "/embeddings", "/classify", "/rank", ":explain")
+INFER_ROUTES = ("/infer", ":predict", "/embeddings", "/classify", "/rank")  # and TorchServe's /predictions/...
 _NS = 1e9
 
 
