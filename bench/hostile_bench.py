@@ -54,6 +54,12 @@ def attacks(model: str) -> dict[str, Callable[[int], tuple[int, str]]]:
         "allowed: 16 MiB of data: URLs (JSON)": ("/v1/embeddings", _data_urls(16 * MB)),
         "allowed: 32 MiB of data: URLs (JSON)": ("/v1/embeddings", _data_urls(32 * MB)),
         "largest allowed: 63 MiB of data: URLs (JSON)": ("/v1/embeddings", _data_urls(63 * MB)),
+        "63 MiB of data: URLs, every / escaped (PHP)": ("/v1/embeddings", _data_urls(50 * MB, "AAA/").replace(
+            b"/", b"\\/")),
+        "63 MiB of strings just under 64 KiB": ("/v1/embeddings", json.dumps(
+            {"images": ["x"], "x": ["a" * (64 * 1024 - 1)] * 1000}).encode()),
+        "one 63 MB string with one escape": ("/v1/embeddings", b'{"images":["x"],"x":"' + b"a" * (32 * MB) + b"\\n"
+                                            + b"a" * (31 * MB) + b'"}'),
         "largest allowed: 64 images, both outputs (OIP)": (oip, json.dumps(
             {"inputs": [{"name": "IMAGE", "datatype": "BYTES", "shape": [64], "data": [photo] * 64}]}).encode()),
     }
@@ -64,13 +70,13 @@ def attacks(model: str) -> dict[str, Callable[[int], tuple[int, str]]]:
     return out
 
 
-def _data_urls(size: int) -> bytes:
+def _data_urls(size: int, fill: str = "A") -> bytes:
     """Images as data: URLs in one JSON body of about ``size`` bytes: junk base64 (fast to refuse, 422
     not_an_image), so the row is the body's reading and parsing."""
     per = 15 * MB
     n, last = divmod(size, per)
-    urls = ["data:image/jpeg;base64," + "A" * per for _ in range(n)] + (["data:image/jpeg;base64," + "A" * last]
-                                                                     if last > 1024 else [])
+    urls = ["data:image/jpeg;base64," + fill * (per // len(fill)) for _ in range(n)] + (
+        ["data:image/jpeg;base64," + fill * (last // len(fill))] if last > 1024 else [])
     return json.dumps({"images": urls}).encode()
 
 

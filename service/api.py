@@ -20,7 +20,8 @@ from werkzeug.exceptions import HTTPException
 from service import logs, metrics, openapi, protocols, serving
 from service.engine.model import ModelInfo
 from service.errors import ClientGone, GreenserveError, RequestError, Unauthorized, UnsupportedMediaType, from_http_status
-from service.pipeline.inputs import InferenceRequest, check_part_names, load_json, parse_doc, parse_form
+from service.pipeline.inputs import InferenceRequest, check_part_names, parse_doc, parse_form
+from service.pipeline.json_body import load_json
 from service.protocols import openai
 from service.settings import Settings
 

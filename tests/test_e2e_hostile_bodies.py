@@ -79,6 +79,12 @@ def hostile(url: str) -> list[tuple[str, requests.Response, int, str]]:
                                                     [b'"a"'] * 1_500_000) + b"]}"), 413, "json_too_complex"),
         ("200,000 empty arrays", post(f"{url}/v1/embeddings", data=brackets, headers=JSON, timeout=TIMEOUT),
          413, "json_too_complex"),
+        ("a 1 MB string with an escape", post(f"{url}/v1/embeddings", headers=JSON, timeout=TIMEOUT, data=(
+            b'{"images": ["img000.jpg"], "x": "' + b"a" * 500_000 + b"\\n" + b"a" * 500_000 + b'"}')),
+         400, "invalid_json"),
+        ("a 1 MB data: URL among 30,000 items", post(f"{url}/v1/classify", headers=JSON, timeout=TIMEOUT, data=(
+            json.dumps({"images": ["data:image/jpeg;base64," + "A" * 1_000_000], "x": [1] * 30_000}).encode())),
+         413, "json_too_complex"),
         ("a form part with no name, native", post(f"{url}/v1/embeddings", data=nameless, headers=form,
                                                    timeout=TIMEOUT), 400, "unnamed_form_part"),
         ("a form part with no name, TorchServe", post(f"{url}/predictions/{E2E_MODEL}", data=nameless,
@@ -102,6 +108,24 @@ def test_hostile_bodies_get_their_codes_and_the_workers_answer_after(server: Gun
     ok = requests.post(f"{server.url}/v1/embeddings", json={"images": ["img000.jpg"]}, timeout=TIMEOUT)
     assert ok.status_code == 200 and int(ok.headers["X-Worker-PID"]) in pids
     assert "Traceback" not in server.log() and "RecursionError" not in server.log()
+
+
+def test_long_data_urls_with_escaped_slashes_embed_as_the_plain_ones_on_every_json_route(server: GunicornServer
+                                                                                       ) -> None:
+    """Long strings skip orjson (see json_body); PHP's json_encode writes every / of the base64 as \\/."""
+    b64 = base64.b64encode(images.jpeg(1024, 768, seed=3)).decode()
+    assert len(b64) > 200_000 and "/" in b64
+    data_url = f"data:image/jpeg;base64,{b64}"
+    bodies = {"native": ("/v1/embeddings", {"images": [data_url, "img001.jpg"]}),
+              "KServe v1": (f"/v1/models/{E2E_MODEL}:predict", {"instances": [{"b64": b64}]}),
+              "OIP": (f"/v2/models/{E2E_MODEL}/infer", oip_body([b64], outputs=[{"name": "EMBEDDING"}]))}
+    for what, (path, doc) in bodies.items():
+        plain = requests.post(server.url + path, json=doc, timeout=TIMEOUT)
+        escaped = requests.post(server.url + path, data=json.dumps(doc).replace("/", "\\/"), headers=JSON,
+                                timeout=TIMEOUT)
+        assert plain.status_code == escaped.status_code == 200, (what, escaped.text[:300])
+        volatile = {"request_id": None, "timings_ms": None, "id": None, "parameters": None}
+        assert plain.json() | volatile == escaped.json() | volatile, what
 
 
 def test_a_newline_in_an_image_url_cannot_forge_a_log_line(server: GunicornServer, image_host: ImageHost) -> None:

@@ -15,9 +15,8 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urljoin, urlsplit
 
-import orjson
-
 from service.errors import FetchError, ImageError, ImageTooLarge, NotAnImage, PayloadTooLarge, RequestError
+from service.pipeline.json_body import GIL_STEP, load_json
 from service.pipeline.text_inputs import TASK_FIELDS, TextOptions, parse_text_options
 from service.settings import Settings
 
@@ -27,16 +26,6 @@ _DATA_URL_RE = re.compile(r"^data:(?P<mime>[\w.+-]+/[\w.+-]+)?(?P<params>(;[\w.+
                           r"(?P<b64>;base64)?,", re.IGNORECASE)
 _LABEL_MAX = 200
 TEXT_FORM_FIELDS = ("template", "query")  # form fields that stay strings
-# arrays + objects in one JSON body: the largest real request (OIP JSON, 64 images as [[...]]) has ~130
-MAX_JSON_CONTAINERS = 100_000
-# commas: an upper bound on the body's items, each a Python object once parsed, and parsing holds the GIL
-# (the hub's too) ~0.14 us an item: 1.09 M items kept /healthz waiting 410 ms. A real request has ~2,000
-# items (1,024 texts, 1,000 labels or 64 images); the rest of the bound is room for commas inside texts
-MAX_JSON_ITEMS = 250_000
-# the body's pre-scans and base64 decoding go in steps of this (a multiple of 4 characters): one C call
-# holds the GIL throughout, and the interpreter can hand it to the hub only between calls
-GIL_STEP = 1 << 20
-
 
 @dataclass(frozen=True)
 class ImageRef:
@@ -62,42 +51,6 @@ def parse_json(body: bytes, settings: Settings, task: str = "embeddings") -> Inf
     """``{"images": [...], "top_k": 5, "normalize": true, "partial": false}`` → request; ``task``'s text
     fields too (``texts`` instead of images for embeddings, ``labels`` for classify, ``query`` for rank)."""
     return parse_doc(load_json(body), settings, task)
-
-
-def load_json(body: bytes, example: str = '{"images": ["https://.../a.jpg"]}') -> dict[str, Any]:
-    """A request body that must be one JSON object (every protocol's JSON goes through here).
-
-    orjson, not the standard library: it refuses lone surrogates (which no answer could echo back), nests
-    at most 1,024 deep (the standard library's recursion ran out on 100,000 ``[``), and builds the document
-    several times faster. Before it, a count of the body's arrays and objects bounds what parsing may
-    allocate: 20 million ``[]`` (60 MB) would be 1.1 GB of empty lists; a count of its commas bounds the
-    items (15 million ``"a"``)."""
-    if not body.strip():
-        raise RequestError(f"the request body is empty; send JSON like {example}", code="invalid_json")
-    containers = _count(body, b"[") + _count(body, b"{")
-    if containers > MAX_JSON_CONTAINERS:
-        raise PayloadTooLarge(f"the JSON body has {containers:,} arrays and objects; a request needs a few "
-                              f"(at most {MAX_JSON_CONTAINERS:,}): send images as strings in one list",
-                              code="json_too_complex")
-    items = _count(body, b",")
-    if items > MAX_JSON_ITEMS:
-        raise PayloadTooLarge(f"the JSON body has {items:,} commas, more than any request within the limits "
-                              f"({MAX_JSON_ITEMS:,}); send fewer items per request", code="json_too_complex")
-    try:
-        doc = orjson.loads(body)
-    except orjson.JSONDecodeError as exc:
-        if "depth limit" in str(exc):
-            raise RequestError("the JSON body nests deeper than 1,024 levels; a request nests 3 or 4",
-                               code="json_too_deep") from exc
-        raise RequestError(f"the body is not valid JSON ({exc}); send {example}", code="invalid_json") from exc
-    if not isinstance(doc, dict):
-        raise RequestError(f"the JSON body must be an object like {example}")
-    return doc
-
-
-def _count(body: bytes, byte: bytes) -> int:
-    """``body.count(byte)`` in ``GIL_STEP`` steps (one call over 60 MB held the GIL 55 ms)."""
-    return sum(body.count(byte, i, i + GIL_STEP) for i in range(0, len(body), GIL_STEP))
 
 
 def parse_doc(doc: Mapping[str, Any], settings: Settings, task: str = "embeddings") -> InferenceRequest:

@@ -31,10 +31,10 @@ from service.pipeline.inputs import (
     base64_ref,
     check_count,
     is_reference,
-    load_json,
     request_options,
     string_ref,
 )
+from service.pipeline.json_body import load_json
 from service.protocols.surface import Surface, flat_error_body
 from service.settings import Settings
 

@@ -28,9 +28,9 @@ from service.pipeline.inputs import (
     bytes_ref,
     check_count,
     is_reference,
-    load_json,
     string_ref,
 )
+from service.pipeline.json_body import load_json
 from service.settings import Settings
 
 INPUT = "IMAGE"
