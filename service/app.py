@@ -4,7 +4,8 @@
              ─▶ runner (model + inference thread + decode pool + batcher; reads the siblings' loads)
              ─▶ fetcher (concurrent, bounded URL fetching)
              ─▶ orchestrator (fetch → decode → infer → postprocess for one request)
-             ─▶ api (Flask routes + error handler)
+             ─▶ http (hooks, native routes, the protocols' routes, /openapi.json: every blueprint
+                registered here; the body guard around them)
 """
 
 from __future__ import annotations
@@ -15,10 +16,11 @@ import logging
 
 from flask import Flask
 
-from service import api, logs, metrics
+from service import logs, metrics
 from service.balance.gate import Balance, Policy
-from service.connection import guard_body
 from service.engine.runner import Model, Runner
+from service.http import hooks, openapi, protocols, routes
+from service.http.connection import guard_body, werkzeug_limits
 from service.pipeline.decode import configure_pillow
 from service.pipeline.fetch import Fetcher, HttpFetcher
 from service.pipeline.orchestrate import Orchestrator
@@ -44,7 +46,9 @@ def create_app(settings: Settings | None = None, *, model: Model | None = None,
     app = Flask("greenserve")
     app.extensions["greenserve"] = {"settings": settings, "runner": runner, "orchestrator": orchestrator,
                                     "balance": balance, "texts": texts}
-    api.register(app)
+    for blueprint in (hooks.bp, routes.bp, *protocols.BLUEPRINTS, openapi.bp):
+        app.register_blueprint(blueprint)
+    app.config.update(werkzeug_limits(settings))
     # Flask's middleware hook
     app.wsgi_app = guard_body(app.wsgi_app, settings.max_body_bytes,  # type: ignore[method-assign,assignment]
                               settings.body_timeout_s)

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.e2e
 TIMEOUT = 60
 JSON = {"Content-Type": "application/json"}
 DEEP = b"[" * 100_000 + b"]" * 100_000
-FORGED = "2099-01-01 00:00:00,000 [1] [CRITICAL] service.api: FORGED"
+FORGED = "2099-01-01 00:00:00,000 [1] [CRITICAL] service.http.hooks: FORGED"
 
 
 def oip(url: str) -> str:

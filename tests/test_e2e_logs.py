@@ -57,6 +57,6 @@ def test_every_line_is_json_with_request_ids(weights_file: Path, image_host: Ima
     assert access["missing-1"]["route"] == "unmatched" and sent["bad-1"] == 422
     assert any(r["logger"].startswith("gunicorn") for r in records)  # gunicorn's own lines are JSON too
     assert sent["late-1"] == 504
-    errors = [r for r in records if r["level"] == "ERROR" and r["logger"] == "service.api"]
+    errors = [r for r in records if r["level"] == "ERROR" and r["logger"] == "service.http.hooks"]
     assert [(r["request_id"], r["code"]) for r in errors] == [("late-1", "deadline_exceeded")]
     assert not any("Traceback" in r["message"] for r in records)  # only ever in an error's exc_info field

@@ -10,8 +10,8 @@ import pytest
 
 from service.engine.batcher import Row
 from service.errors import PayloadTooLarge, RequestError
-from service.protocols import needs_token
-from service.protocols import oip_wire as wire
+from service.http.protocols import needs_token
+from service.http.protocols import oip_wire as wire
 from service.settings import Settings
 
 SETTINGS = Settings(max_images=4, max_image_bytes=1024, image_base_url="http://images.local/")

@@ -10,7 +10,7 @@ import pytest
 from service.engine.model import ModelInfo
 from service.engine.transform import Transform
 from service.errors import RequestError
-from service.protocols import openai
+from service.http.protocols import openai
 from service.settings import Settings
 
 SETTINGS = Settings(image_base_url="http://images.example/")

@@ -21,9 +21,9 @@ from werkzeug.test import TestResponse
 
 from service.app import create_app
 from service.errors import GreenserveError
-from service.openapi import build
+from service.http.openapi import build
+from service.http.protocols import openai
 from service.pipeline.text_inputs import TASK_FIELDS
-from service.protocols import openai
 from service.settings import Settings
 from tests import images
 from tests.fakes import FakeFetcher, FakeModel

@@ -1,6 +1,6 @@
 """One inference request, whichever protocol it came in: busy → parse → check → orchestrate → encode.
 
-The native routes (``service/api.py``) and every protocol (``service/protocols/``) parse their own wire
+The native routes (``service/http/routes.py``) and every protocol (``service/http/protocols/``) parse their own wire
 format into an ``InferenceRequest`` and call ``run`` or ``run_rows`` here, so the limits, admission (503),
 deadlines (504), hang-up cancelling and stage metrics are the same behind each of them.
 """
@@ -17,11 +17,11 @@ from flask import Response, current_app, g, request
 
 from service import metrics
 from service.balance.gate import Balance
-from service.connection import cancel_on_hang_up
 from service.engine.model import ModelInfo
 from service.engine.runner import Runner
 from service.engine.scheduling import NOT_READY_RETRY_S
 from service.errors import NotFound, Overloaded, RequestError
+from service.http.connection import cancel_on_hang_up
 from service.pipeline.inputs import InferenceRequest
 from service.pipeline.orchestrate import Orchestrator, Rows
 from service.settings import Settings

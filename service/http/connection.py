@@ -26,6 +26,7 @@ from gunicorn.http.errors import NoMoreData, ParseException
 from werkzeug.exceptions import RequestEntityTooLarge
 
 from service.errors import BodyTimeout, ClientGone, RequestError
+from service.settings import Settings
 
 WSGIApp = Callable[[dict[str, Any], Callable[..., Any]], Iterable[bytes]]
 
@@ -184,3 +185,10 @@ def cancel_on_hang_up(sock: socket.socket | None) -> Iterator[None]:
         yield
     finally:
         watcher.kill()
+
+
+def werkzeug_limits(settings: Settings) -> dict[str, int]:
+    """The app's config for werkzeug's own caps, which refuse a larger body with 413 before a view reads it."""
+    return {"MAX_CONTENT_LENGTH": settings.max_body_bytes, "MAX_FORM_MEMORY_SIZE": settings.max_body_bytes,
+            # werkzeug's default of 1,000 form parts would refuse a form within the image and label limits
+            "MAX_FORM_PARTS": settings.max_images + settings.max_labels + 16}

@@ -16,9 +16,9 @@ from typing import Any
 import orjson
 from flask import Blueprint, Response
 
-from service import protocols, serving
 from service.engine.model import ModelInfo
-from service.openapi_schemas import TASKS, Schema, ref, request_schemas, response_schemas
+from service.http import dataplane, protocols
+from service.http.openapi_schemas import TASKS, Schema, ref, request_schemas, response_schemas
 from service.settings import Settings
 
 OPENAPI_VERSION = "3.1.0"
@@ -68,7 +68,7 @@ bp = Blueprint("openapi", __name__)
 
 @bp.get("/openapi.json")
 def document() -> Response:
-    p = serving.parts()
+    p = dataplane.parts()
     return Response(_encoded(p.settings, p.runner.info), mimetype="application/json")
 
 
@@ -79,7 +79,7 @@ def _encoded(settings: Settings, info: ModelInfo | None) -> bytes:
 
 def build(settings: Settings, info: ModelInfo | None = None) -> dict[str, Any]:
     """The document for a server running with ``settings``, serving ``info`` (None while it loads)."""
-    model = info.name if info else settings.model  # the name requests must use (``serving.model_name``)
+    model = info.name if info else settings.model  # the name requests must use (``dataplane.model_name``)
     dim = info.embedding_dim if info else None
     doc: dict[str, Any] = {
         "openapi": OPENAPI_VERSION,
@@ -100,8 +100,8 @@ def build(settings: Settings, info: ModelInfo | None = None) -> dict[str, Any]:
 
 
 def _model_names(model: str) -> list[str]:
-    """What a request may name: the model (its classes) and ``<name>-embedding`` (``serving.resolve_model``)."""
-    return [model, model + serving.EMBEDDING_SUFFIX]
+    """What a request may name: the model (its classes) and ``<name>-embedding`` (``dataplane.resolve_model``)."""
+    return [model, model + dataplane.EMBEDDING_SUFFIX]
 
 
 def _parameters(model: str) -> dict[str, Schema]:

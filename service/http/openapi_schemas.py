@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from service.http.protocols import openai
 from service.pipeline.inputs import DEFAULT_TOP_K, OPTION_FIELDS
 from service.pipeline.text_inputs import DEFAULT_TEMPLATE, TASK_FIELDS
-from service.protocols import openai
 from service.settings import Settings
 
 Schema = dict[str, Any]

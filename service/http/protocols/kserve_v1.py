@@ -11,7 +11,7 @@ instance with its top-k ``{label: score}`` (TorchServe's ``image_classifier`` sh
     {"url": "https://.../a.jpg"}
 
 Other keys of an instance (``key``, ``target``) are ignored. ``GET /v1/models`` and ``GET /v1/models/<m>``
-(readiness) are the native routes (``service.api``). Content-Type is ignored, as KServe reads the body.
+(readiness) are the native routes (``service.http.routes``). Content-Type is ignored, as KServe reads the body.
 """
 
 from __future__ import annotations
@@ -22,8 +22,9 @@ from typing import Any
 
 from flask import Blueprint, Response, request
 
-from service import serving
 from service.errors import RequestError
+from service.http import dataplane
+from service.http.protocols.surface import Surface, flat_error_body
 from service.pipeline import postprocess
 from service.pipeline.inputs import (
     ImageRef,
@@ -35,7 +36,6 @@ from service.pipeline.inputs import (
     string_ref,
 )
 from service.pipeline.json_body import load_json
-from service.protocols.surface import Surface, flat_error_body
 from service.settings import Settings
 
 bp = Blueprint("kserve_v1", __name__)
@@ -50,16 +50,16 @@ _INSTANCE_FORMS = ('an image URL, a relative name or a data: URL, {"b64": ...}, 
 @bp.get("/")
 def alive() -> Response:
     """Server liveness (kserve's ``is_server_live``): this worker answers; readiness is /v1/models/<m>."""
-    return serving.json_response({"status": "alive"})
+    return dataplane.json_response({"status": "alive"})
 
 
 @bp.post("/v1/models/<name>:predict")
 def predict(name: str) -> Response:
-    with serving.busy() as p:
-        task = serving.resolve_model(p, name)
-        req = serving.parse_body(p, request.get_data(cache=False), parse_body, p.settings)
-        body = serving.run(p, req, task)
-    return serving.json_response({"predictions": predictions(body, task)})
+    with dataplane.busy() as p:
+        task = dataplane.resolve_model(p, name)
+        req = dataplane.parse_body(p, request.get_data(cache=False), parse_body, p.settings)
+        body = dataplane.run(p, req, task)
+    return dataplane.json_response({"predictions": predictions(body, task)})
 
 
 def parse_body(raw: bytes, settings: Settings) -> InferenceRequest:

@@ -1,4 +1,4 @@
-"""The standard protocols, each beside the native routes and sharing their request path (``service.serving``):
+"""The standard protocols, each beside the native routes and sharing their request path (``service.http.dataplane``):
 
     oip         Open Inference Protocol v2 (Triton / KServe v2 / OpenVINO / MLServer clients)   /v2/...
     openai      OpenAI embeddings: the same /v1/embeddings and /v1/models, answered as supersets
@@ -11,8 +11,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from service.protocols import kserve_v1, oip, torchserve
-from service.protocols.surface import Surface, native_error_body
+from service.http.protocols import kserve_v1, oip, torchserve
+from service.http.protocols.surface import Surface, native_error_body
 
 BLUEPRINTS = (oip.bp, kserve_v1.bp, torchserve.bp)
 SURFACES: tuple[Surface, ...] = (oip.SURFACE, kserve_v1.SURFACE, torchserve.SURFACE)

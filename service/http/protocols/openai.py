@@ -23,9 +23,9 @@ import numpy as np
 
 from service.engine.model import ModelInfo
 from service.errors import RequestError
+from service.http.dataplane import EMBEDDING_SUFFIX, task_for_model
 from service.pipeline.inputs import ImageRef, InferenceRequest, base64_ref, check_count, is_reference, string_ref
 from service.pipeline.text_inputs import parse_text_options
-from service.serving import EMBEDDING_SUFFIX, task_for_model
 from service.settings import Settings
 
 FIELDS = ("model", "input", "encoding_format", "dimensions", "user", "modality", "normalize", "partial", "truncate")

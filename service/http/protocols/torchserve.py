@@ -23,8 +23,10 @@ from typing import Any
 
 from flask import Blueprint, Response, request
 
-from service import serving
 from service.errors import MethodNotAllowed, NotFound, RequestError, UnsupportedMediaType
+from service.http import dataplane
+from service.http.protocols import openai
+from service.http.protocols.surface import Surface
 from service.pipeline import postprocess
 from service.pipeline.inputs import (
     InferenceRequest,
@@ -34,8 +36,6 @@ from service.pipeline.inputs import (
     form_value,
     request_options,
 )
-from service.protocols import openai
-from service.protocols.surface import Surface
 from service.settings import Settings
 
 bp = Blueprint("torchserve", __name__)
@@ -73,21 +73,21 @@ SURFACE = Surface("torchserve", re.compile(r"^/(ping|predictions|models)(/|$)"),
 @bp.get("/ping")
 def ping() -> Response:
     """TorchServe's health check is model readiness: this worker's model is loaded."""
-    if serving.parts().runner.info is not None:
-        return serving.json_response({"status": "Healthy"})
-    return serving.json_response({"status": "Unhealthy"}, 500)
+    if dataplane.parts().runner.info is not None:
+        return dataplane.json_response({"status": "Healthy"})
+    return dataplane.json_response({"status": "Unhealthy"}, 500)
 
 
 @bp.route("/predictions/<name>", methods=["POST", "PUT"])
 @bp.route("/predictions/<name>/<version>", methods=["POST", "PUT"])
 def predict(name: str, version: str | None = None) -> Response:
-    with serving.busy() as p:
-        task = serving.resolve_model(p, name)
+    with dataplane.busy() as p:
+        task = dataplane.resolve_model(p, name)
         _check_version(name, version)
         req = parse_request(p.settings)
-        body = serving.run(p, req, task)
+        body = dataplane.run(p, req, task)
     answers = [item["embedding"] if task == "embeddings" else postprocess.label_scores(item["labels"]) for item in body["data"]]
-    return serving.json_response(answers[0] if len(answers) == 1 else answers)
+    return dataplane.json_response(answers[0] if len(answers) == 1 else answers)
 
 
 def parse_request(settings: Settings) -> InferenceRequest:
@@ -143,24 +143,24 @@ def _check_version(name: str, version: str | None) -> None:
 def list_models() -> Response:
     """``{"models": [{"modelName", "modelUrl"}]}``: the classifier and ``<m>-embedding`` (only the first
     while the model loads, when what it provides is not known yet)."""
-    p = serving.parts()
+    p = dataplane.parts()
     info = p.runner.info
-    names = openai.model_ids(info) if info else [serving.model_name(p)]
+    names = openai.model_ids(info) if info else [dataplane.model_name(p)]
     url = info.weights if info else p.settings.weights
-    return serving.json_response({"models": [{"modelName": n, "modelUrl": url} for n in names]})
+    return dataplane.json_response({"models": [{"modelName": n, "modelUrl": url} for n in names]})
 
 
 @bp.get("/models/<name>")
 @bp.get("/models/<name>/<version>")
 def describe_model(name: str, version: str | None = None) -> Response:
     """TorchServe's description (a list of one): this worker's view, as each worker answers for itself."""
-    p = serving.parts()
-    serving.resolve_model(p, name)
+    p = dataplane.parts()
+    dataplane.resolve_model(p, name)
     _check_version(name, None if version == "all" else version)
-    return serving.json_response([description(p, name)])
+    return dataplane.json_response([description(p, name)])
 
 
-def description(p: serving.Parts, name: str) -> dict[str, Any]:
+def description(p: dataplane.Parts, name: str) -> dict[str, Any]:
     """``pendingRequests`` counts images (greenserve admits and batches images, TorchServe requests)."""
     s = p.settings
     info = p.runner.info
@@ -173,7 +173,7 @@ def description(p: serving.Parts, name: str) -> dict[str, Any]:
                                "pendingRequests": admitted}}
 
 
-def _worker(p: serving.Parts) -> dict[str, Any]:
+def _worker(p: dataplane.Parts) -> dict[str, Any]:
     runner = p.runner
     status = "READY" if runner.info else "FAILED" if runner.load_error else "STARTING"
     device = runner.info.device if runner.info else p.settings.device

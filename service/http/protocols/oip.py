@@ -19,12 +19,13 @@ from importlib.metadata import PackageNotFoundError, version
 import orjson
 from flask import Blueprint, Response, g, request
 
-from service import metrics, serving
+from service import metrics
 from service.engine.model import ModelInfo
 from service.errors import NotFound, PayloadTooLarge, UnsupportedMediaType
-from service.protocols import oip_stats
-from service.protocols import oip_wire as wire
-from service.protocols.surface import Surface, flat_error_body
+from service.http import dataplane
+from service.http.protocols import oip_stats
+from service.http.protocols import oip_wire as wire
+from service.http.protocols.surface import Surface, flat_error_body
 
 bp = Blueprint("oip", __name__)
 SURFACE = Surface("oip", re.compile(r"^/v2(/|$)"),
@@ -47,54 +48,54 @@ def _package_version() -> str:
 @bp.get("/v2")
 @bp.get("/v2/")
 def server_metadata() -> Response:
-    return serving.json_response({"name": "greenserve", "version": _package_version(), "extensions": EXTENSIONS})
+    return dataplane.json_response({"name": "greenserve", "version": _package_version(), "extensions": EXTENSIONS})
 
 
 @bp.get("/v2/health/live")
 def live() -> Response:
-    return serving.json_response({"live": True})
+    return dataplane.json_response({"live": True})
 
 
 @bp.get("/v2/health/ready")
 def ready() -> Response:
-    runner = serving.parts().runner
+    runner = dataplane.parts().runner
     if runner.info is not None:
-        return serving.json_response({"ready": True})
-    return serving.json_response({"ready": False, "error": serving.not_ready_reason(runner)}, 503)
+        return dataplane.json_response({"ready": True})
+    return dataplane.json_response({"ready": False, "error": dataplane.not_ready_reason(runner)}, 503)
 
 
 @bp.get("/v2/models")
 def models() -> Response:
     """KServe's list: the model names (readiness is /v2/models/<m>/ready)."""
-    return serving.json_response({"models": [serving.model_name(serving.parts())]})
+    return dataplane.json_response({"models": [dataplane.model_name(dataplane.parts())]})
 
 
 @bp.post("/v2/repository/index")
 def repository_index() -> Response:
     """Read-only: this server serves its one model; loading and unloading are not offered."""
-    p = serving.parts()
-    return serving.json_response([{"name": serving.model_name(p), "version": VERSION,
+    p = dataplane.parts()
+    return dataplane.json_response([{"name": dataplane.model_name(p), "version": VERSION,
                                    "state": "READY" if p.runner.info else "LOADING"}])
 
 
 @bp.get(_MODEL + "/ready")
 @bp.get(_VERSIONED + "/ready")
 def model_ready(name: str, version: str | None = None) -> Response:
-    p = serving.parts()
+    p = dataplane.parts()
     _check_model(p, name, version)
     ok = p.runner.info is not None
-    return serving.json_response({"name": name, "ready": ok, **({} if ok else {"error": "model loading"})},
+    return dataplane.json_response({"name": name, "ready": ok, **({} if ok else {"error": "model loading"})},
                                  200 if ok else 503)
 
 
 @bp.get(_MODEL)
 @bp.get(_VERSIONED)
 def model_metadata(name: str, version: str | None = None) -> Response:
-    p = serving.parts()
+    p = dataplane.parts()
     _check_model(p, name, version)
-    info = serving.require_info(p)
+    info = dataplane.require_info(p)
     outputs = [{"name": n, "datatype": "FP32", "shape": [-1, dim]} for n, dim in _outputs(info)]
-    return serving.json_response({"name": name, "versions": [VERSION], "platform": _platform(info),
+    return dataplane.json_response({"name": name, "versions": [VERSION], "platform": _platform(info),
                                   "inputs": [{"name": wire.INPUT, "datatype": "BYTES", "shape": [-1, 1]}],
                                   "outputs": outputs})
 
@@ -103,12 +104,12 @@ def model_metadata(name: str, version: str | None = None) -> Response:
 @bp.get(_VERSIONED + "/config")
 def model_config(name: str, version: str | None = None) -> Response:
     """The JSON form of Triton's ModelConfig, for clients that size their batches from it."""
-    p = serving.parts()
+    p = dataplane.parts()
     _check_model(p, name, version)
-    info = serving.require_info(p)
+    info = dataplane.require_info(p)
     s = p.settings
     outputs = [{"name": n, "data_type": "TYPE_FP32", "dims": [dim], "label_filename": ""} for n, dim in _outputs(info)]
-    return serving.json_response({
+    return dataplane.json_response({
         "name": name, "platform": _platform(info), "backend": "greenserve", "max_batch_size": s.max_images,
         "input": [{"name": wire.INPUT, "data_type": "TYPE_STRING", "format": "FORMAT_NONE", "dims": [1]}],
         "output": outputs,
@@ -122,21 +123,21 @@ def model_config(name: str, version: str | None = None) -> Response:
 @bp.get(_VERSIONED + "/stats")
 def statistics(name: str | None = None, version: str | None = None) -> Response:
     """Triton's inference statistics for the one model (``/v2/models/stats``: every model, so that one)."""
-    p = serving.parts()
+    p = dataplane.parts()
     if name is not None:
         _check_model(p, name, version)
-    entry = oip_stats.model_stats(metrics.samples(), name or serving.model_name(p), VERSION)
-    return serving.json_response({"model_stats": [entry]})
+    entry = oip_stats.model_stats(metrics.samples(), name or dataplane.model_name(p), VERSION)
+    return dataplane.json_response({"model_stats": [entry]})
 
 
 @bp.post(_MODEL + "/infer")
 @bp.post(_VERSIONED + "/infer")
 def infer(name: str, version: str | None = None) -> Response:
-    with serving.busy() as p:
+    with dataplane.busy() as p:
         _check_model(p, name, version)
-        info = serving.require_info(p)
+        info = dataplane.require_info(p)
         call = _parse(p, [n for n, _ in _outputs(info)])
-        rows = serving.run_rows(p, call.request, call.tasks, timeout_s=call.timeout_s)
+        rows = dataplane.run_rows(p, call.request, call.tasks, timeout_s=call.timeout_s)
     outputs, chunks = wire.encode_outputs(call, rows.rows, rows.info.labels)
     doc = {"model_name": name, "model_version": VERSION, **({"id": call.id} if call.id is not None else {}),
            "parameters": {"request_id": g.request_id, "worker_pid": os.getpid()}, "outputs": outputs}
@@ -146,12 +147,12 @@ def infer(name: str, version: str | None = None) -> Response:
     return _compressed(head + b"".join(chunks), "application/octet-stream", {wire.HEADER: str(len(head))})
 
 
-def _parse(p: serving.Parts, available: list[str]) -> wire.InferCall:
+def _parse(p: dataplane.Parts, available: list[str]) -> wire.InferCall:
     body = _inflate(p, request.get_data(cache=False))
-    return serving.parse_body(p, body, wire.parse_request, request.headers.get(wire.HEADER), p.settings, available)
+    return dataplane.parse_body(p, body, wire.parse_request, request.headers.get(wire.HEADER), p.settings, available)
 
 
-def _inflate(p: serving.Parts, body: bytes) -> bytes:
+def _inflate(p: dataplane.Parts, body: bytes) -> bytes:
     """A gzip/deflate request body (tritonclient's request_compression_algorithm), never past the body cap."""
     encoding = request.headers.get("Content-Encoding", "identity").strip().lower()
     if encoding in ("identity", ""):
@@ -193,8 +194,8 @@ def _compressed(body: bytes, mimetype: str, headers: dict[str, str]) -> Response
     return Response(body, headers=headers, mimetype=mimetype)
 
 
-def _check_model(p: serving.Parts, name: str, version: str | None) -> None:
-    served = serving.model_name(p)
+def _check_model(p: dataplane.Parts, name: str, version: str | None) -> None:
+    served = dataplane.model_name(p)
     if name != served:
         raise NotFound(f"Request for unknown model: {name!r}; this server serves {served!r}", code="model_not_found")
     if version not in (None, VERSION):

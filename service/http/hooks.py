@@ -1,0 +1,110 @@
+"""Around every request: the request id, the token, the timing headers and the access line; one error
+handler turns every failure into the error shape of the protocol that owns the path.
+
+Views have no ``try``: the pipeline raises ``GreenserveError`` subclasses and ``handle_error`` maps them.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import os
+import re
+import time
+import uuid
+from typing import Any
+
+import orjson
+from flask import Blueprint, Response, current_app, g, request
+from werkzeug.exceptions import HTTPException
+
+from service import logs, metrics
+from service.errors import ClientGone, GreenserveError, Unauthorized, UnsupportedMediaType, from_http_status
+from service.http import protocols
+
+log = logging.getLogger(__name__)
+bp = Blueprint("hooks", __name__)
+
+_REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+
+# ---------------------------------------------------------------------- request lifecycle
+
+
+@bp.before_app_request
+def _start() -> None:
+    g.started = time.monotonic()
+    rid = request.headers.get("X-Request-ID", "")
+    g.request_id = rid if _REQUEST_ID_RE.match(rid) else uuid.uuid4().hex
+    settings = current_app.extensions["greenserve"]["settings"]
+    if settings.api_token and protocols.needs_token(request.path):
+        scheme, _, supplied = request.headers.get("Authorization", "").strip().partition(" ")
+        # the scheme is case-insensitive (RFC 9110); a bare token with no scheme is not a bearer token
+        if scheme.lower() != "bearer" or not hmac.compare_digest(supplied.strip().encode(),
+                                                                 settings.api_token.encode()):
+            raise Unauthorized("missing or wrong bearer token; send Authorization: Bearer <GREENSERVE_API_TOKEN>")
+    encoding = request.headers.get("Content-Encoding", "").strip().lower()
+    if encoding not in ("", "identity") and not request.path.startswith("/v2/"):  # OIP inflates its own
+        raise UnsupportedMediaType(f"Content-Encoding {encoding!r} is not accepted here; send the body "
+                                   "uncompressed (OIP v2 infer takes gzip and deflate)",
+                                   code="unsupported_content_encoding")
+
+
+@bp.after_app_request
+def _finish(response: Response) -> Response:
+    route = request.url_rule.rule if request.url_rule else "unmatched"
+    metrics.REQUESTS.labels(route, str(response.status_code)).inc()
+    response.headers["X-Request-ID"] = g.get("request_id", "")
+    response.headers["X-Worker-PID"] = str(os.getpid())  # which worker answered: for balance diagnostics
+    if "started" in g:  # time inside the app (parsing to JSON), for telling server time from network time
+        response.headers["Server-Timing"] = f"app;dur={(time.monotonic() - g.started) * 1000:.1f}"
+    if current_app.extensions["greenserve"]["settings"].log_format == "json":  # text: gunicorn's access log
+        logs.access({"request_id": g.get("request_id", ""), "method": request.method, "route": route,
+                     "path": request.path, "status": response.status_code, "images": g.get("images", 0),
+                     "timings_ms": g.get("timings_ms", {}), "worker_pid": os.getpid(),
+                     "bytes_in": request.content_length or 0, "bytes_out": response.content_length or 0,
+                     "duration_ms": round((time.monotonic() - g.get("started", time.monotonic())) * 1000, 1),
+                     "remote_addr": request.remote_addr})
+    return response
+
+
+@bp.app_errorhandler(GreenserveError)
+def handle_error(err: GreenserveError) -> Response:
+    fields = {"request_id": g.get("request_id"), "code": err.code}  # the JSON line's own fields
+    if isinstance(err, ClientGone):
+        log.info("request_id=%s %s: its remaining work was stopped", g.get("request_id"), err.code, extra=fields)
+    elif err.status_code >= 500 and not err.headers:
+        log.error("request_id=%s %s: %s", g.get("request_id"), err.code, err.message, extra=fields)
+    return error_response(err.status_code, err.to_dict(), err.headers)
+
+
+@bp.app_errorhandler(HTTPException)
+def handle_http(exc: HTTPException) -> Response:
+    status = exc.code or 500
+    message = exc.description or exc.name
+    if status == 413:
+        limit = current_app.extensions["greenserve"]["settings"].max_body_bytes
+        message = f"the request body exceeds {limit} bytes; send fewer/smaller images or set GREENSERVE_MAX_BODY_BYTES"
+        if request.content_length is not None and request.content_length <= limit:  # werkzeug's part count
+            message = (f"the form has more than {current_app.config['MAX_FORM_PARTS']} parts; send fewer images "
+                       "or labels per request (GREENSERVE_MAX_IMAGES, GREENSERVE_MAX_LABELS)")
+    err = from_http_status(status, message)
+    return error_response(err.status_code, err.to_dict(), {})
+
+
+@bp.app_errorhandler(Exception)
+def handle_unexpected(exc: Exception) -> Response:
+    log.exception("request_id=%s unhandled error", g.get("request_id"),
+                  extra={"request_id": g.get("request_id"), "code": "internal_error"})
+    return error_response(500, {"code": "internal_error", "message": "internal error; report the request id",
+                                "details": []}, {})
+
+
+def error_response(status: int, error: dict[str, Any], headers: dict[str, str]) -> Response:
+    """The error in the shape of the protocol that owns the path (routing errors included)."""
+    metrics.ERRORS.labels(error["code"]).inc()
+    body = protocols.error_body(request.path, status, error, g.get("request_id", ""))
+    if error["code"] == "inference_failed":
+        headers = {**headers, "x-should-retry": "false"}  # deterministic: the OpenAI SDK would retry a 500
+    return Response(orjson.dumps(body), status=status, headers=headers, mimetype="application/json")
+
+

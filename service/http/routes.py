@@ -1,0 +1,124 @@
+"""The native routes: ``/v1/embeddings``, ``/v1/classify``, ``/v1/rank``, the model list, the probes
+and ``/metrics``. Each parses its body into an ``InferenceRequest`` and hands it to the data plane."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import orjson
+from flask import Blueprint, Response, request
+
+from service import metrics
+from service.engine.model import ModelInfo
+from service.errors import RequestError, UnsupportedMediaType
+from service.http import dataplane
+from service.http.protocols import openai
+from service.pipeline.inputs import InferenceRequest, check_part_names, parse_doc, parse_form
+from service.pipeline.json_body import load_json
+from service.settings import Settings
+
+bp = Blueprint("routes", __name__)
+
+
+# ---------------------------------------------------------------------- inference
+
+
+@bp.post("/v1/embeddings")
+def embeddings() -> Response:
+    """Native ``{"images"|"texts": [...]}`` or OpenAI ``{"model", "input"}``: one response shape for both."""
+    with dataplane.busy() as p:
+        req, options = _parse_request(p, "embeddings", openai_too=True)
+        body = dataplane.run(p, req, "embeddings")
+    return dataplane.json_response(openai.embeddings_body(body, req, options))
+
+
+@bp.post("/v1/classify")
+def classify() -> Response:
+    return _infer("classify")
+
+
+@bp.post("/v1/rank")
+def rank() -> Response:
+    """Images ordered by their similarity to a text ``query``: an album searched with a sentence."""
+    return _infer("rank")
+
+
+def _infer(task: str) -> Response:
+    with dataplane.busy() as p:
+        req, _ = _parse_request(p, task)
+        return dataplane.json_response(dataplane.run(p, req, task))
+
+
+def _parse_request(p: dataplane.Parts, task: str, openai_too: bool = False
+                   ) -> tuple[InferenceRequest, openai.Options | None]:
+    settings = p.settings
+    mimetype = request.mimetype
+    if mimetype == "multipart/form-data":
+        check_part_names([*request.files, *request.form])
+        files = [(f.filename or "", f.read(settings.max_image_bytes + 1)) for f in request.files.getlist("images")]
+        unexpected = sorted(set(request.files) - {"images"})
+        if unexpected:
+            raise RequestError(f"files in unknown field(s) {', '.join(unexpected)}; use the field 'images'")
+        fields = {k: v for k, v in request.form.to_dict().items() if k != "labels"}
+        return parse_form(fields, files, settings, task, labels=request.form.getlist("labels")), None
+    if mimetype in ("application/json", "") or mimetype.endswith("+json"):
+        return dataplane.parse_body(p, request.get_data(cache=False), _parse_json, settings, task,
+                                  openai_too, p.runner.info, dataplane.model_name(p))
+    raise UnsupportedMediaType(f"Content-Type {mimetype!r} is not accepted; send application/json or "
+                               "multipart/form-data")
+
+
+def _parse_json(raw: bytes, settings: Settings, task: str, openai_too: bool, info: ModelInfo | None,
+                name: str) -> tuple[InferenceRequest, openai.Options | None]:
+    """The native JSON body, or (on /v1/embeddings) OpenAI's ``{"model", "input"}``."""
+    doc = load_json(raw, '{"images": ["https://.../a.jpg"]}')
+    if openai_too and openai.is_openai(doc):
+        return openai.parse(doc, settings, info, name)
+    return parse_doc(doc, settings, task), None
+
+
+# ---------------------------------------------------------------------- info and probes
+
+
+@bp.get("/v1/models")
+def models() -> Response:
+    """Native (``data[0]`` is the model's description), OpenAI (``data[].id``) and KServe v1 (``models``)."""
+    runner = dataplane.parts().runner
+    if runner.info is None:
+        return _json({"object": "list", "data": [], "models": [], "status": "loading"}, 503)
+    return _json(openai.models_body(runner.info))
+
+
+@bp.get("/v1/models/<name>")
+def model(name: str) -> Response:
+    """OpenAI's model retrieve and KServe v1's model readiness (``ready``; 503 while loading)."""
+    p = dataplane.parts()
+    dataplane.resolve_model(p, name)
+    info = p.runner.info
+    if info is None:
+        return _json({"id": name, "name": name, "object": "model", "ready": False, "error": "model loading"}, 503)
+    return _json({**openai.model_card(name), "name": name, "ready": True})
+
+
+@bp.get("/metrics")
+def prometheus() -> Response:
+    text, content_type = metrics.exposition()
+    return Response(text, content_type=content_type)
+
+
+@bp.get("/healthz")
+def healthz() -> Response:
+    return _json({"status": "ok", "pid": os.getpid()})
+
+
+@bp.get("/readyz")
+def readyz() -> Response:
+    runner = dataplane.parts().runner
+    if runner.info is not None:
+        return _json({"status": "ready", "pid": os.getpid(), "model": runner.info.name})
+    return _json({"status": "not_ready", "pid": os.getpid(), "reason": dataplane.not_ready_reason(runner)}, 503)
+
+
+def _json(body: dict[str, Any], status: int = 200) -> Response:
+    return Response(orjson.dumps(body), status=status, mimetype="application/json")
