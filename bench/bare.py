@@ -50,7 +50,7 @@ def save_random_weights(model: str, path: Path, seed: int = 0) -> Path:
     import torch
     import torchvision
 
-    from service.engine.model import parse_model_name
+    from service.engine.loading import parse_model_name
 
     family, arch = parse_model_name(model)
     torch.manual_seed(seed)
@@ -121,7 +121,7 @@ def _run(args: argparse.Namespace) -> None:
     import numpy as np
     import torch
 
-    from service.engine.model import load_model
+    from service.engine.loading import load_model
     from service.pipeline.decode import configure_pillow
     from service.pipeline.orchestrate import decode_and_crop
 

@@ -69,7 +69,7 @@ def speed(model_name: str, weights: Path, cores: int) -> list[dict[str, Any]]:
     import torch
 
     from service.engine.casting import FLOAT32, Numerics
-    from service.engine.model import load_model
+    from service.engine.loading import load_model
 
     torch.set_num_threads(cores)
     model = load_model(model_name, str(weights))
@@ -121,7 +121,7 @@ def shapes(model_name: str, weights: Path, cores: int) -> list[dict[str, Any]]:
     import torch
 
     from service.engine.casting import FLOAT32, Numerics
-    from service.engine.model import load_model
+    from service.engine.loading import load_model
 
     torch.set_num_threads(cores)
     model = load_model(model_name, str(weights))
@@ -180,7 +180,7 @@ def bare_texts(model_name: str, weights: Path, cores: int, texts: list[str],
     one-text forwards of ``queries`` (one query at a time, as an album search sends it)."""
     import torch
 
-    from service.engine.model import load_model
+    from service.engine.loading import load_model
 
     torch.set_num_threads(cores)
     model = load_model(model_name, str(weights))

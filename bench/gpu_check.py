@@ -200,7 +200,7 @@ def setup(run: Run) -> None:
     """Machine facts, album, weights, crops, CPU reference; the image hosts are started by main."""
     from bench import bare, gpu_phases, report
     from bench.album import DEFAULT_DIR, load_album
-    from service.engine.model import load_model
+    from service.engine.loading import load_model
 
     a, t0 = run.args, time.monotonic()
     album_dir = DEFAULT_DIR if a.album_count == 30 and a.album_max_side is None else \

@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     import torch
 
     from bench.gpu_plan import Layout
-    from service.engine.transform import Transform
+    from service.engine.types import Transform
 
 MAX_PIXELS = bare.MAX_PIXELS
 Row = Callable[[dict[str, Any]], None]
@@ -73,7 +73,7 @@ def cpu_reference(model: str, weights: Path, pixels: np.ndarray) -> np.ndarray:
     """L2-normalised float32 CPU embeddings of ``pixels``: what every server run is checked against."""
     import torch
 
-    from service.engine.model import load_model
+    from service.engine.loading import load_model
 
     feats = load_model(model, str(weights), device=torch.device("cpu")).forward(pixels)[0]
     assert feats is not None
@@ -88,7 +88,7 @@ def model_level(model: str, weights: Path, pixels: np.ndarray, on_row: Row) -> N
     import torch
 
     from service.engine.casting import FLOAT32, Numerics
-    from service.engine.model import load_model
+    from service.engine.loading import load_model
 
     reference = load_model(model, str(weights), device=torch.device("cpu")).forward(pixels[:8])[0]
     ways = [FLOAT32] + [Numerics(d, cast=c) for d in (torch.bfloat16, torch.float16) for c in (False, True)]

@@ -62,7 +62,7 @@ def _load_model(settings: Settings, slot: int) -> Model:
     import torch  # imported here so the master (which imports this module's parents) never needs torch
 
     from service.engine import device_decode, precision
-    from service.engine.model import load_model, resolve_device
+    from service.engine.loading import load_model, resolve_device
 
     torch.set_num_threads(settings.torch_threads_per_worker())
     device = resolve_device(settings.device, slot)

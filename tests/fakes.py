@@ -8,8 +8,7 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 import torch
 
-from service.engine.model import ModelInfo
-from service.engine.transform import Transform
+from service.engine.types import ModelInfo, Transform
 from service.errors import FetchError, ImageError
 
 LABELS = tuple(f"label{i}" for i in range(10))

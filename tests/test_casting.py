@@ -14,7 +14,9 @@ from torch import nn
 
 from service.engine import precision
 from service.engine.casting import FLOAT32, KEPT_FLOAT32, Numerics, TowerCast
-from service.engine.model import LoadedModel, load_model
+from service.engine.loading import load_model
+from service.engine.model import LoadedModel
+from service.engine.types import MIN_COSINE
 from service.pipeline import postprocess
 
 BF16_CAST = Numerics(torch.bfloat16, cast=True)
@@ -53,7 +55,7 @@ def test_cast_once_images_agree_with_float32(model: LoadedModel) -> None:
     try:
         low, logits_low = model.forward(pixels)
         assert low is not None and low.dtype == torch.float32  # rows leave the tower as float32
-        assert cosine(f32, low) >= precision.MIN_COSINE
+        assert cosine(f32, low) >= MIN_COSINE
         if logits32 is not None:
             assert logits_low is not None and torch.equal(logits32.argmax(1), logits_low.argmax(1))
     finally:
@@ -82,7 +84,7 @@ def test_the_text_tower_casts_alone_and_its_norms_and_logit_scale_stay_float32()
     f32 = clip_model.encode_text(ids)
     clip_model.set_numerics("text", BF16_CAST)
     low = clip_model.encode_text(ids)
-    assert low.dtype == torch.float32 and cosine(f32, low) >= precision.MIN_COSINE
+    assert low.dtype == torch.float32 and cosine(f32, low) >= MIN_COSINE
     assert clip.token_embedding.weight.dtype == torch.bfloat16
     assert clip.transformer.resblocks[0].mlp.c_fc.weight.dtype == torch.bfloat16
     assert clip.ln_final.weight.dtype == torch.float32 and clip.logit_scale.dtype == torch.float32

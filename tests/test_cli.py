@@ -10,7 +10,7 @@ import torch
 
 from harness.imagehost import ImageHost
 from service import cli
-from service.engine.model import load_model
+from service.engine.loading import load_model
 
 
 def test_download_weights_fills_the_cache_that_imagenet_mode_reads(

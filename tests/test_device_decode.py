@@ -14,8 +14,8 @@ from PIL import Image, ImageOps
 
 from service.engine import device_decode
 from service.engine.device_decode import EncodedJpeg
-from service.engine.model import load_model
-from service.engine.transform import Transform
+from service.engine.loading import load_model
+from service.engine.types import Transform
 from service.errors import ImageTooLarge, NotAnImage, UnsupportedImage
 from service.pipeline.decode import configure_pillow, jpeg_for_device, open_checked
 from service.pipeline.orchestrate import checked_for_device, decode_and_crop

@@ -78,7 +78,6 @@ def _graph() -> dict[str, set[str]]:
     return graph
 
 
-@pytest.mark.xfail(strict=True, reason="the engine loading circle goes in the next step")
 def test_the_import_graph_has_no_cycle() -> None:
     """Imports inside functions count too: a lazy import is still a circle to read."""
     graph, state, path = _graph(), {}, []

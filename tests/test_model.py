@@ -11,8 +11,9 @@ import torchvision
 
 from service.engine import torchvision_family as model_mod
 from service.engine.casting import Numerics
-from service.engine.model import ModelLoadError, load_model
+from service.engine.loading import load_model
 from service.engine.torchvision_family import split_head
+from service.engine.types import ModelLoadError
 
 NAME = "resnet18"
 

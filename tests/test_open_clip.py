@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from service.engine import open_clip_family
-from service.engine.model import ModelLoadError, load_model, parse_model_name
+from service.engine.loading import load_model, parse_model_name
+from service.engine.types import ModelLoadError
 from service.settings import Settings, SettingsError
 
 ARCH = "ViT-S-32-alt"

@@ -7,8 +7,7 @@ from typing import Any
 
 import pytest
 
-from service.engine.model import ModelInfo
-from service.engine.transform import Transform
+from service.engine.types import ModelInfo, Transform
 from service.errors import RequestError
 from service.http.protocols import openai
 from service.settings import Settings

@@ -15,8 +15,8 @@ from torch import nn
 
 from service.app import create_app
 from service.engine.batcher import Batcher, Outputs, Row
-from service.engine.model import LoadedModel, ModelInfo
-from service.engine.transform import Transform
+from service.engine.model import LoadedModel
+from service.engine.types import ModelInfo, Transform
 from service.errors import OutOfMemory
 from service.settings import Settings
 from tests.fakes import FakeFetcher

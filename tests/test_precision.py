@@ -13,8 +13,9 @@ from torch import nn
 
 from service.engine import precision
 from service.engine.casting import Numerics
-from service.engine.model import LoadedModel, ModelInfo, Tokens, load_model
-from service.engine.transform import Transform
+from service.engine.loading import load_model
+from service.engine.model import LoadedModel
+from service.engine.types import MIN_COSINE, ModelInfo, Tokens, Transform
 
 AMX = frozenset({"avx2", "avx512f", "amx_bf16", "amx_tile"})
 ZEN4 = frozenset({"avx2", "avx512f", "avx512_bf16"})
@@ -100,7 +101,7 @@ def test_auto_with_native_bf16_keeps_the_cast_once_weights_when_they_agree_and_a
     assert image is not None and image.numerics == "bfloat16 cast once", chosen.reason
     assert (chosen.chosen, model.dtype, model.info.dtype) == ("bfloat16", torch.bfloat16, "bfloat16")
     cast, autocast = image.trials
-    assert cast.agrees and cast.min_cosine is not None and cast.min_cosine >= precision.MIN_COSINE
+    assert cast.agrees and cast.min_cosine is not None and cast.min_cosine >= MIN_COSINE
     assert cast.top1_same == cast.compared == 1 + 8 + 32  # every probe output at every size
     assert cast.speedup == pytest.approx(1 / 0.3) and autocast.speedup == pytest.approx(1 / 1.7)
     assert "avx512_bf16" in chosen.reason and "3.33x" in chosen.reason and "agreed but slower" in chosen.reason
@@ -221,7 +222,7 @@ def test_a_model_whose_bf16_embeddings_disagree_serves_float32() -> None:
     model = small_model(Cancelling())
     chosen = precision.settle(model, "auto", flags=AMX, timer=FakeTimer(FAST_CAST))
     cast = chosen.towers[0].trials[0]
-    assert cast.min_cosine is not None and cast.min_cosine < precision.MIN_COSINE
+    assert cast.min_cosine is not None and cast.min_cosine < MIN_COSINE
     assert (chosen.chosen, model.dtype, model.info.dtype) == ("float32", torch.float32, "float32")
     assert "disagreed" in chosen.reason and "image tower float32: " in chosen.reason
 
@@ -230,7 +231,7 @@ def test_a_top1_that_flips_in_bf16_serves_float32_though_the_embeddings_agree() 
     model = small_model(NearTie())
     chosen = precision.settle(model, "auto", flags=AMX, timer=FakeTimer(FAST_CAST))
     cast = chosen.towers[0].trials[0]
-    assert cast.min_cosine is not None and cast.min_cosine >= precision.MIN_COSINE
+    assert cast.min_cosine is not None and cast.min_cosine >= MIN_COSINE
     assert cast.top1_same == 0
     assert chosen.chosen == "float32"
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 import numpy as np
 from PIL import Image
 
-from service.engine.transform import Transform
+from service.engine.types import Transform
 from service.pipeline.preprocess import preprocess
 from tests import images
 

@@ -13,8 +13,8 @@ import torch
 from gevent.event import AsyncResult
 
 from service.engine.batcher import Row
-from service.engine.model import Tokens
 from service.engine.runner import Runner
+from service.engine.types import Tokens
 from service.errors import PayloadTooLarge, RequestError
 from service.pipeline import postprocess
 from service.pipeline.inputs import parse_json

@@ -34,7 +34,8 @@ import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from service.engine.model import LoadedModel, load_model
+from service.engine.loading import load_model
+from service.engine.model import LoadedModel
 from service.pipeline import postprocess
 from service.pipeline.decode import configure_pillow
 from service.pipeline.orchestrate import decode_and_crop

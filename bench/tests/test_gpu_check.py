@@ -342,7 +342,7 @@ def test_server_run_checks_embeddings_and_the_oom_phase_runs_its_stages(tmp_path
     """On the CPU, with the hog and nvidia-smi faked: the orchestration the GPU run will go through."""
     from bench import bare, gpu_phases
     from bench.album import load_album
-    from service.engine.model import load_model
+    from service.engine.loading import load_model
 
     model = "mobilenet_v3_small"
     album.ensure_album(tmp_path / "album", count=3, max_side=320)

@@ -96,3 +96,7 @@ class TowerCast:
             yield
         finally:
             self.to(before)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")

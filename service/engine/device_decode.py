@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from torch.nn import functional as F  # noqa: N812 - torch's own spelling
 
-from service.engine.transform import Transform
+from service.engine.types import Transform
 
 log = logging.getLogger(__name__)
 

@@ -1,9 +1,4 @@
-"""The model one worker owns, whichever library built it: load, warm up, forward images and texts.
-
-    GREENSERVE_MODEL          family            towers          embeddings from
-    resnet50, torchvision:X   torchvision_family  image          the pooled features before the classifier
-    open_clip:ARCH            open_clip_family  image + text    CLIP/SigLIP's joint space (``encode_image``/``text``)
-    timm:NAME                 timm_family       image           the pooled pre-logits features
+"""The model one worker owns, whichever library built it (``loading``): warm up, forward images and texts.
 
 Everything here runs in the worker's inference thread (forwards) or its decode threads (tokenising),
 after fork: never in the gunicorn master (libgomp and CUDA are not fork-safe).
@@ -13,8 +8,8 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast
+from dataclasses import dataclass, field
+from typing import Protocol, TypeVar, cast
 
 import numpy as np
 import torch
@@ -23,80 +18,13 @@ from torch import nn
 from service.engine import device_decode
 from service.engine.casting import FLOAT32, Numerics, TowerCast
 from service.engine.device_decode import EncodedJpeg
-from service.engine.transform import Transform
+from service.engine.types import ModelInfo, Tokens
 from service.errors import OutOfMemory
-
-if TYPE_CHECKING:
-    from service.engine.precision import Precision
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-FAMILIES = ("torchvision", "open_clip", "timm")
-RANDOM_SEED = 0  # random weights are seeded so every worker serves the same (meaningless) model
 WARMUP_BATCHES = (1, 4)  # shapes run once before /readyz says ready (first-call allocations, kernel picks)
-
-
-class ModelLoadError(RuntimeError):
-    """The configured model or weights cannot be loaded; the message says what to change."""
-
-
-def parse_model_name(spec: str) -> tuple[str, str]:
-    """``open_clip:ViT-B-32`` → (open_clip, ViT-B-32); a bare name is torchvision's (``resnet50``)."""
-    family, sep, name = spec.partition(":")
-    if not sep:
-        return "torchvision", spec
-    if family not in FAMILIES or not name:
-        raise ModelLoadError(f"GREENSERVE_MODEL={spec!r}: the family must be one of {', '.join(FAMILIES)} "
-                             "(torchvision:resnet50, open_clip:ViT-B-32, timm:convnext_tiny; a bare name is "
-                             "torchvision's)")
-    return family, name
-
-
-@dataclass(frozen=True)
-class Tokens:
-    """Tokenised texts: ids padded to the context length, and how many tokens each text kept."""
-
-    ids: np.ndarray  # (n, context_length) int64
-    lengths: tuple[int, ...]  # tokens kept, start and end tokens included
-    truncated: tuple[bool, ...]  # the text had more tokens than the context length
-
-
-@dataclass(frozen=True)
-class ModelInfo:
-    name: str
-    tasks: tuple[str, ...]
-    embedding_dim: int | None
-    labels: tuple[str, ...]  # a classifier's fixed classes; empty for zero-shot models
-    device: str
-    dtype: str
-    weights: str  # "imagenet", "random", a pretrained tag, or the file it came from
-    transform: Transform
-    load_seconds: float = 0.0
-    format: str = "torchvision"
-    family: str = "torchvision"
-    towers: tuple[str, ...] = ("image",)
-    context_length: int | None = None  # the text tower's, in tokens
-    logit_scale: float = 1.0  # zero-shot: softmax(logit_scale * cosine + logit_bias)
-    logit_bias: float = 0.0
-    precision: Precision | None = None  # the dtype choice and why (``precision.settle``)
-    jpeg_decode: str = "pillow"  # where JPEGs are decoded: pillow (decode threads) | device (``device_decode``)
-
-    def public(self) -> dict[str, Any]:
-        t = self.transform
-        out: dict[str, Any] = {"name": self.name, "family": self.family, "towers": list(self.towers), "tasks": list(self.tasks),
-               "embedding_dim": self.embedding_dim, "labels_count": len(self.labels), "device": self.device,
-               "dtype": self.dtype, "weights": self.weights, "format": self.format,
-               "input": {"resize": t.resize_size, "crop": t.crop_size},
-               "preprocessing": {"resize": t.resize_size, "crop": t.crop_size, "resize_mode": t.resize_mode,
-                                 "interpolation": t.interpolation, "mean": list(t.mean), "std": list(t.std)},
-               "load_seconds": round(self.load_seconds, 3), "jpeg_decode": self.jpeg_decode}
-        if self.precision is not None:
-            out["precision"] = self.precision.public()
-        if "text" in self.towers:
-            out["text"] = {"context_length": self.context_length, "over_context_length": "truncate",
-                           "logit_scale": round(self.logit_scale, 4), "logit_bias": round(self.logit_bias, 4)}
-        return out
 
 
 class TextTower(Protocol):
@@ -278,46 +206,3 @@ def _scatter(rows: torch.Tensor | None, kept: list[int], n: int) -> torch.Tensor
     out = torch.zeros((n, *rows.shape[1:]), dtype=rows.dtype)
     out[kept] = rows
     return out
-
-
-def load_model(name: str, weights: str, *, device: torch.device | None = None, channels_last: bool = True,
-               numerics: Numerics = FLOAT32) -> LoadedModel:
-    """Load ``name`` (``GREENSERVE_MODEL``) with ``weights`` (``GREENSERVE_WEIGHTS``) through its family, every
-    tower in ``numerics`` (``precision.settle`` chooses per tower instead)."""
-    family, arch = parse_model_name(name)
-    device = device or torch.device("cpu")
-    model: LoadedModel
-    if family == "open_clip":
-        from service.engine import open_clip_family
-
-        model = open_clip_family.load(arch, weights, device=device)
-    elif family == "timm":
-        from service.engine import timm_family
-
-        model = timm_family.load(arch, weights, device=device, channels_last=channels_last)
-    else:
-        from service.engine import torchvision_family
-
-        model = torchvision_family.load(arch, weights, device=device, channels_last=channels_last)
-    if numerics != FLOAT32:
-        for tower in model.towers:
-            model.set_numerics(tower, numerics)
-        model.info = replace(model.info, dtype=dtype_name(numerics.dtype))
-    return model
-
-
-def resolve_device(device: str, worker_ordinal: int = 0) -> torch.device:
-    """``auto``/``cuda`` spread workers over the visible GPUs round-robin; call after fork only."""
-    if device == "cpu":
-        return torch.device("cpu")
-    if device.startswith("cuda:"):
-        return torch.device(device)
-    if torch.cuda.is_available():
-        return torch.device("cuda", worker_ordinal % torch.cuda.device_count())
-    if device == "cuda":
-        raise ModelLoadError("GREENSERVE_DEVICE=cuda but no CUDA device is visible; use cpu or auto")
-    return torch.device("cpu")
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).replace("torch.", "")

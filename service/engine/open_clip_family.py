@@ -23,15 +23,9 @@ from open_clip.constants import HF_SAFE_WEIGHTS_NAME, HF_WEIGHTS_NAME
 from open_clip.tokenizer import SimpleTokenizer
 from torch import nn
 
-from service.engine.model import (
-    RANDOM_SEED,
-    LoadedModel,
-    ModelInfo,
-    ModelLoadError,
-    Tokens,
-)
-from service.engine.transform import Transform
-from service.engine.weights import load_state_dict, unset_tensors
+from service.engine.model import LoadedModel
+from service.engine.types import ModelInfo, ModelLoadError, Tokens, Transform
+from service.engine.weights import RANDOM_SEED, adopt, check_all_set, load_state_dict
 
 log = logging.getLogger(__name__)
 
@@ -197,19 +191,13 @@ def _from_file(arch: str, path: str, tag_cfg: dict[str, Any]) -> nn.Module:
     state = load_state_dict(path)
     if "logit_scale" in state and state["logit_scale"].ndim != clip.logit_scale.ndim:
         state["logit_scale"] = state["logit_scale"].reshape(clip.logit_scale.shape)
-    try:
-        clip.load_state_dict(state, strict=True, assign=True)
-    except RuntimeError as exc:
-        raise ModelLoadError(f"the weights do not fit open_clip:{arch}: {str(exc)[:500]}; check GREENSERVE_MODEL "
-                             "names the architecture the file was saved from") from exc
+    adopt(clip, state, f"open_clip:{arch}", "; check GREENSERVE_MODEL names the architecture the file was saved from")
     for name, buf in list(clip.named_buffers()):
         if buf.is_meta and name.endswith("attn_mask"):  # not saved (persistent=False): the causal mask
             owner = clip.get_submodule(name.rpartition(".")[0]) if "." in name else clip
             mask = torch.full(tuple(buf.shape), float("-inf")).triu_(1)
             owner.register_buffer(name.rpartition(".")[2], mask, persistent=False)
-    missing = unset_tensors(clip)
-    if missing:
-        raise ModelLoadError(f"the weights file leaves open_clip:{arch} tensors unset: {', '.join(missing[:5])}")
+    check_all_set(clip, f"open_clip:{arch}")
     return clip
 
 

@@ -31,13 +31,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from service.engine.casting import FLOAT32, Numerics
-from service.engine.model import LoadedModel, dtype_name
+from service.engine.casting import FLOAT32, Numerics, dtype_name
+from service.engine.model import LoadedModel
+from service.engine.types import MIN_SPEEDUP, Precision, TowerChoice, Trial
 
 log = logging.getLogger(__name__)
 
-MIN_COSINE = 0.9999
-MIN_SPEEDUP = 1.15  # a lower precision must earn its rounding: timing noise between runs here is ~5-10%
 PROBE_IMAGES = 8
 PROBE_TEXTS = ("a photo of a dog.", "a photo of a cat on a sofa.", "a city street at night.", "a bowl of fruit.")
 CPU_BF16_FLAGS = ("amx_bf16", "avx512_bf16")
@@ -55,81 +54,6 @@ def wall_clock(tower: str, numerics: Numerics, size: int, run: Callable[[], Any]
 def batch_sizes(max_batch: int) -> tuple[int, ...]:
     """The sizes a batcher with ``max_batch`` forms that a trial times: 1, a quarter, the max."""
     return tuple(sorted({1, max(1, max_batch // 4), max_batch}))
-
-
-@dataclass(frozen=True)
-class Trial:
-    """One lower-precision way of running a tower, against float32 at the same batch sizes."""
-
-    numerics: str  # Numerics.name
-    sizes: tuple[int, ...]  # the sizes it was timed at: fewer than the tower's when it stopped early
-    ms: tuple[float, ...]
-    ms_float32: tuple[float, ...]  # float32's at the same sizes
-    min_cosine: float | None  # outputs against float32's, over every probe input it ran
-    top1_same: int | None  # images whose top-1 class matched; None for a model without logits, or texts
-    compared: int  # outputs compared
-    error: str | None = None  # the candidate could not run (its forward raised)
-
-    @property
-    def speedup(self) -> float:
-        return sum(self.ms_float32) / sum(self.ms) if self.ms and sum(self.ms) > 0 else 0.0
-
-    @property
-    def agrees(self) -> bool:
-        return (self.error is None and self.min_cosine is not None and self.min_cosine >= MIN_COSINE
-                and self.top1_same in (None, self.compared))
-
-    def kept(self, all_sizes: tuple[int, ...]) -> bool:
-        return self.agrees and self.sizes == all_sizes and self.speedup >= MIN_SPEEDUP
-
-    def text(self) -> str:
-        if self.error is not None:
-            return f"{self.numerics} failed: {self.error}"
-        ms = "+".join(f"{m:.0f}" for m in self.ms)
-        ms32 = "+".join(f"{m:.0f}" for m in self.ms_float32)
-        top1 = "" if self.top1_same is None else f", top-1 same {self.top1_same}/{self.compared}"
-        cosine = "n/a" if self.min_cosine is None else f"{self.min_cosine:.6f}"
-        return (f"{self.numerics} {ms} ms vs float32 {ms32} ms at batch {'/'.join(map(str, self.sizes))} "
-                f"= {self.speedup:.2f}x (needs >= {MIN_SPEEDUP}x), min cosine {cosine} (needs >= {MIN_COSINE})"
-                f"{top1}")
-
-    def public(self) -> dict[str, Any]:
-        return {"numerics": self.numerics, "sizes": list(self.sizes), "ms": [round(m, 1) for m in self.ms],
-                "ms_float32": [round(m, 1) for m in self.ms_float32], "speedup": round(self.speedup, 3),
-                "min_cosine": None if self.min_cosine is None else round(self.min_cosine, 7),
-                "top1_same": self.top1_same, "compared": self.compared, "agrees": self.agrees, "error": self.error}
-
-
-@dataclass(frozen=True)
-class TowerChoice:
-    tower: str  # image | text
-    numerics: str  # what it serves in (Numerics.name)
-    reason: str
-    sizes: tuple[int, ...] = ()
-    trials: tuple[Trial, ...] = ()
-
-    def public(self) -> dict[str, Any]:
-        return {"numerics": self.numerics, "reason": self.reason, "sizes": list(self.sizes),
-                "trials": [t.public() for t in self.trials]}
-
-
-@dataclass(frozen=True)
-class Precision:
-    """What a worker serves in, and why: ``ModelInfo.precision``, in ``/v1/models`` and the start-up log."""
-
-    requested: str  # GREENSERVE_DTYPE
-    chosen: str  # the image tower's dtype
-    hardware: str  # what the choice was made on: "cpu avx2", "cpu avx512_bf16", "cuda sm_90 NVIDIA H200"
-    reason: str
-    towers: tuple[TowerChoice, ...] = ()
-
-    def tower(self, name: str) -> TowerChoice | None:
-        return next((t for t in self.towers if t.tower == name), None)
-
-    def public(self) -> dict[str, Any]:
-        return {"requested": self.requested, "chosen": self.chosen, "hardware": self.hardware,
-                "reason": self.reason, "min_cosine": MIN_COSINE, "min_speedup": MIN_SPEEDUP,
-                "towers": {t.tower: t.public() for t in self.towers}}
 
 
 def cpu_flags() -> frozenset[str]:

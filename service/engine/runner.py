@@ -28,9 +28,9 @@ from gevent.threadpool import ThreadPool
 from service import metrics
 from service.engine.batcher import Batcher, Outputs
 from service.engine.device_decode import EncodedJpeg
-from service.engine.model import ModelInfo, Tokens
 from service.engine.scheduling import Admission, Gather, Rank, Scheduler
 from service.engine.threads import Siblings, ThreadPlan, lower_priority
+from service.engine.types import ModelInfo, Tokens
 from service.errors import GreenserveError
 from service.settings import Settings
 

@@ -19,9 +19,9 @@ import timm
 import torch
 from torch import nn
 
-from service.engine.model import RANDOM_SEED, LoadedModel, ModelInfo, ModelLoadError
-from service.engine.transform import Transform
-from service.engine.weights import load_state_dict, unset_tensors
+from service.engine.model import LoadedModel
+from service.engine.types import ModelInfo, ModelLoadError, Transform
+from service.engine.weights import RANDOM_SEED, adopt, load_state_dict, unset_tensors
 
 log = logging.getLogger(__name__)
 
@@ -92,10 +92,7 @@ def _from_file(name: str, path: str) -> nn.Module:
     kwargs: dict[str, Any] = {"num_classes": int(state[head].shape[0])} if head in state else {}
     with torch.device("meta"):
         net = timm.create_model(name, pretrained=False, **kwargs)
-    try:
-        net.load_state_dict(state, strict=True, assign=True)
-    except RuntimeError as exc:
-        raise ModelLoadError(f"the weights do not fit timm:{name}: {str(exc)[:500]}") from exc
+    adopt(net, state, f"timm:{name}")
     if unset_tensors(net):  # buffers the file does not hold (persistent=False): build them for real
         log.info("timm:%s has buffers outside its state dict: built on the CPU, weights copied", name)
         torch.manual_seed(RANDOM_SEED)

@@ -20,9 +20,9 @@ import torchvision
 from torch import nn
 from torchvision.models import get_model_builder, get_model_weights, list_models
 
-from service.engine.model import RANDOM_SEED, LoadedModel, ModelInfo, ModelLoadError
-from service.engine.transform import Transform
-from service.engine.weights import load_state_dict, unset_tensors
+from service.engine.model import LoadedModel
+from service.engine.types import ModelInfo, ModelLoadError, Transform
+from service.engine.weights import RANDOM_SEED, adopt, check_all_set, load_state_dict
 
 log = logging.getLogger(__name__)
 
@@ -210,13 +210,7 @@ def _from_state_dict(name: str, state: dict[str, torch.Tensor]) -> nn.Module:
     if name.startswith(("inception", "googlenet")) and not any(k.startswith("aux") or "Aux" in k for k in state):
         with torch.device("meta"):
             model = builder(weights=None, aux_logits=False, init_weights=False, **kwargs)
-    try:
-        model.load_state_dict(state, strict=True, assign=True)
-    except RuntimeError as exc:
-        raise ModelLoadError(f"the weights do not fit {name}: {str(exc)[:500]}; check GREENSERVE_MODEL "
-                             "matches the architecture the file was saved from") from exc
-    missing = unset_tensors(model)
-    if missing:
-        raise ModelLoadError(f"the weights file leaves {name} tensors unset: {', '.join(missing[:5])}")
+    adopt(model, state, name, "; check GREENSERVE_MODEL matches the architecture the file was saved from")
+    check_all_set(model, name)
     return model
 

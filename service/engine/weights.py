@@ -6,7 +6,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from service.engine.model import ModelLoadError
+from service.engine.types import ModelLoadError
+
+RANDOM_SEED = 0  # random weights are seeded so every worker serves the same (meaningless) model
 
 
 def load_state_dict(path: str) -> dict[str, torch.Tensor]:
@@ -28,6 +30,22 @@ def load_state_dict(path: str) -> dict[str, torch.Tensor]:
     return {k.removeprefix("module."): v for k, v in state.items()}
 
 
+def adopt(module: nn.Module, state: dict[str, torch.Tensor], what: str, hint: str = "") -> nn.Module:
+    """A module built on the meta device takes the file's (mmapped) tensors as its own: no second copy of
+    the weights, and the workers share the file's pages."""
+    try:
+        module.load_state_dict(state, strict=True, assign=True)
+    except RuntimeError as exc:
+        raise ModelLoadError(f"the weights do not fit {what}: {str(exc)[:500]}{hint}") from exc
+    return module
+
+
 def unset_tensors(model: nn.Module) -> list[str]:
     """Parameters and buffers still on the meta device (the weights file did not set them)."""
     return [n for n, t in (*model.named_parameters(), *model.named_buffers()) if t.is_meta]
+
+
+def check_all_set(model: nn.Module, what: str) -> None:
+    missing = unset_tensors(model)
+    if missing:
+        raise ModelLoadError(f"the weights file leaves {what} tensors unset: {', '.join(missing[:5])}")

@@ -17,9 +17,9 @@ from flask import Response, current_app, g, request
 
 from service import metrics
 from service.balance.gate import Balance
-from service.engine.model import ModelInfo
 from service.engine.runner import Runner
 from service.engine.scheduling import NOT_READY_RETRY_S
+from service.engine.types import ModelInfo
 from service.errors import NotFound, Overloaded, RequestError
 from service.http.connection import cancel_on_hang_up
 from service.pipeline.inputs import InferenceRequest

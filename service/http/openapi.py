@@ -16,7 +16,7 @@ from typing import Any
 import orjson
 from flask import Blueprint, Response
 
-from service.engine.model import ModelInfo
+from service.engine.types import ModelInfo
 from service.http import dataplane, protocols
 from service.http.openapi_schemas import TASKS, Schema, ref, request_schemas, response_schemas
 from service.settings import Settings

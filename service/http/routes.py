@@ -10,7 +10,7 @@ import orjson
 from flask import Blueprint, Response, request
 
 from service import metrics
-from service.engine.model import ModelInfo
+from service.engine.types import ModelInfo
 from service.errors import RequestError, UnsupportedMediaType
 from service.http import dataplane
 from service.http.protocols import openai

@@ -28,10 +28,9 @@ import numpy as np
 
 from service.engine.batcher import Row
 from service.engine.device_decode import DeviceDecodeFailed, EncodedJpeg
-from service.engine.model import ModelInfo
 from service.engine.runner import Runner
 from service.engine.scheduling import Admission
-from service.engine.transform import Transform
+from service.engine.types import ModelInfo, Transform
 from service.errors import DeadlineExceeded, ImageError, ImagesFailed, image_error_item
 from service.pipeline import postprocess
 from service.pipeline.decode import decode_image, decode_opened, jpeg_for_device, open_checked

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 from PIL import Image
 
-from service.engine.transform import Transform
+from service.engine.types import Transform
 
 # Pillow shrinks by an integer factor first when the image is > REDUCING_GAP x the target: much faster,
 # same result within a grey level for photos.

@@ -20,7 +20,7 @@ import orjson
 from flask import Blueprint, Response, g, request
 
 from service import metrics
-from service.engine.model import ModelInfo
+from service.engine.types import ModelInfo
 from service.errors import NotFound, PayloadTooLarge, UnsupportedMediaType
 from service.http import dataplane
 from service.http.protocols import oip_stats

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from service.engine.model import ModelInfo
+from service.engine.types import ModelInfo
 from service.errors import RequestError
 from service.http.dataplane import EMBEDDING_SUFFIX, task_for_model
 from service.pipeline.inputs import ImageRef, InferenceRequest, base64_ref, check_count, is_reference, string_ref
