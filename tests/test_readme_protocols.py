@@ -1,5 +1,5 @@
-"""The README's client snippet for each protocol, run as a user would paste it, against a real server; each
-answer must equal the native route's."""
+"""The client snippet for each protocol in docs/PROTOCOLS.md (the README links there), run as a user would
+paste it, against a real server; each answer must equal the native route's."""
 
 from __future__ import annotations
 
@@ -16,13 +16,14 @@ from tests.conftest import E2E_MODEL
 
 pytestmark = pytest.mark.e2e
 NAMES = ["img006.jpg", "img007.jpg"]
+PROTOCOLS_DOC = ROOT / "docs" / "PROTOCOLS.md"
 
 
 def snippet(heading: str) -> dict[str, Any]:
-    """The first ```python block under ``### heading``, executed."""
-    readme = (ROOT / "README.md").read_text()
-    match = re.search(rf"### {re.escape(heading)}.*?```python\n(.*?)```", readme, re.S)
-    assert match, f"no python snippet under '### {heading}' in README.md"
+    """The first ```python block under ``### heading`` in docs/PROTOCOLS.md, executed."""
+    doc = PROTOCOLS_DOC.read_text()
+    match = re.search(rf"### {re.escape(heading)}.*?```python\n(.*?)```", doc, re.S)
+    assert match, f"no python snippet under '### {heading}' in docs/PROTOCOLS.md"
     namespace: dict[str, Any] = {}
     exec(match.group(1), namespace)
     return namespace
