@@ -1,19 +1,16 @@
-"""One inference request, whichever protocol it came in: busy → parse → check → orchestrate → encode.
+"""One inference request, whichever protocol it came in: parse → check → orchestrate → the answer.
 
 The native routes (``service/http/routes.py``) and every protocol (``service/http/protocols/``) parse their own wire
 format into an ``InferenceRequest`` and call ``run`` or ``run_rows`` here, so the limits, admission (503),
-deadlines (504), hang-up cancelling and stage metrics are the same behind each of them.
+deadlines (504), hang-up cancelling and stage metrics are the same behind each of them. No Flask here: the
+request's ``RequestContext`` and the app's ``Parts`` come as arguments (``current`` takes them from Flask).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
-
-import orjson
-from flask import Response, current_app, g, request
 
 from service import metrics
 from service.balance.gate import Balance
@@ -22,6 +19,7 @@ from service.engine.scheduling import NOT_READY_RETRY_S
 from service.engine.types import ModelInfo
 from service.errors import NotFound, Overloaded, RequestError
 from service.http.connection import cancel_on_hang_up
+from service.http.context import RequestContext
 from service.pipeline.inputs import InferenceRequest
 from service.pipeline.orchestrate import Orchestrator, Rows
 from service.settings import Settings
@@ -39,38 +37,47 @@ class Parts:
     balance: Balance
 
 
-def parts() -> Parts:
-    ext = current_app.extensions["greenserve"]
-    return Parts(ext["settings"], ext["runner"], ext["orchestrator"], ext["balance"])
+@dataclass(frozen=True)
+class Served:
+    """What the access line says of the work: how many images (or texts), and each stage's time."""
+
+    images: int
+    timings_ms: dict[str, float]
 
 
-@contextmanager
-def busy() -> Iterator[Parts]:
-    """Around parsing and running: siblings see this worker as busy from here (parsing included)."""
-    p = parts()
-    with p.balance.inference():
-        yield p
+@dataclass(frozen=True)
+class Answer:
+    body: dict[str, Any]  # the native response body
+    served: Served
 
 
-def run(p: Parts, req: InferenceRequest, task: str, *, timeout_s: float | None = None) -> dict[str, Any]:
+def run(p: Parts, ctx: RequestContext, req: InferenceRequest, task: str, *,
+        timeout_s: float | None = None) -> Answer:
     """The native response body for ``task``: ``{"model", "data", "errors", "timings_ms", "request_id"}``."""
     check_task(p.runner.info, req, task)
-    g.images = len(req.refs) or len(req.text.texts)  # for the access line
-    with cancel_on_hang_up(_socket(p.settings)):
-        body = p.orchestrator.run(req, task, deadline=deadline(p.settings, timeout_s), request_id=g.request_id)
+    with cancel_on_hang_up(_client(p.settings, ctx)):
+        body = p.orchestrator.run(req, task, deadline=ctx.deadline(p.settings.request_timeout_s, timeout_s),
+                                  request_id=ctx.request_id)
     _observe(body["timings_ms"])
-    return {"model": p.runner.info.name if p.runner.info else "", **body, "request_id": g.request_id}
+    body = {"model": p.runner.info.name if p.runner.info else "", **body, "request_id": ctx.request_id}
+    return Answer(body, Served(size(req), body["timings_ms"]))
 
 
-def run_rows(p: Parts, req: InferenceRequest, tasks: tuple[str, ...], *, timeout_s: float | None = None) -> Rows:
+def run_rows(p: Parts, ctx: RequestContext, req: InferenceRequest, tasks: tuple[str, ...], *,
+             timeout_s: float | None = None) -> tuple[Rows, Served]:
     """Each image's raw row (features and logits from one forward), for protocols with their own outputs."""
     for task in tasks:
         check_task(p.runner.info, req, task)
-    g.images = len(req.refs)
-    with cancel_on_hang_up(_socket(p.settings)):
-        rows = p.orchestrator.run_rows(req, deadline=deadline(p.settings, timeout_s), request_id=g.request_id)
+    with cancel_on_hang_up(_client(p.settings, ctx)):
+        rows = p.orchestrator.run_rows(req, deadline=ctx.deadline(p.settings.request_timeout_s, timeout_s),
+                                       request_id=ctx.request_id)
     _observe(rows.timings_ms)
-    return rows
+    return rows, Served(size(req), rows.timings_ms)
+
+
+def size(req: InferenceRequest) -> int:
+    """A request's images, or its texts: what the access line counts, whether or not it succeeds."""
+    return len(req.refs) or len(req.text.texts)
 
 
 def parse_body(p: Parts, raw: bytes, parse: Callable[..., T], *args: Any) -> T:
@@ -98,24 +105,6 @@ def check_task(info: ModelInfo | None, req: InferenceRequest, task: str) -> None
     if task == "classify" and info.labels and req.text.labels:
         raise RequestError(f"{info.name} classifies into its own {len(info.labels)} labels; drop \"labels\" or "
                            "serve an open_clip model for zero-shot labels", code="labels_not_supported")
-
-
-def deadline(settings: Settings, timeout_s: float | None = None) -> float:
-    """The request's deadline: GREENSERVE_REQUEST_TIMEOUT_S, shortened by X-Request-Timeout or by the
-    protocol's own timeout (OIP's ``timeout`` parameter)."""
-    timeout = settings.request_timeout_s
-    header = request.headers.get("X-Request-Timeout")
-    if header:
-        try:
-            asked = float(header)
-        except ValueError:
-            raise RequestError(f"X-Request-Timeout={header!r} is not a number of seconds") from None
-        if not asked > 0:
-            raise RequestError("X-Request-Timeout must be a positive number of seconds")
-        timeout = min(timeout, asked)
-    if timeout_s is not None:
-        timeout = min(timeout, timeout_s)
-    return g.started + timeout
 
 
 def require_info(p: Parts) -> ModelInfo:
@@ -151,18 +140,10 @@ def task_for_model(name: str, asked: str) -> str:
                    f"{name + EMBEDDING_SUFFIX!r} (embeddings)", code="model_not_found")
 
 
-def json_response(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
-    # orjson, on the hub: 1.2 ms for 30 x 2,048 float32 arrays (lists of Python floats: 2.0 ms; json.dumps of
-    # those lists took 37 ms and had to be offloaded)
-    return Response(orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY), status=status, headers=headers,
-                    mimetype="application/json")
-
-
-def _socket(settings: Settings) -> Any:
-    return request.environ.get("gunicorn.socket") if settings.cancel_on_disconnect else None
+def _client(settings: Settings, ctx: RequestContext) -> Any:
+    return ctx.client if settings.cancel_on_disconnect else None
 
 
 def _observe(timings_ms: dict[str, float]) -> None:
-    g.timings_ms = timings_ms
     for stage, ms in timings_ms.items():
         metrics.STAGE_SECONDS.labels(stage).observe(ms / 1000)

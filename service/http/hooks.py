@@ -9,9 +9,7 @@ from __future__ import annotations
 import hmac
 import logging
 import os
-import re
 import time
-import uuid
 from typing import Any
 
 import orjson
@@ -20,21 +18,19 @@ from werkzeug.exceptions import HTTPException
 
 from service import logs, metrics
 from service.errors import ClientGone, GreenserveError, Unauthorized, UnsupportedMediaType, from_http_status
-from service.http import protocols
+from service.http import current, protocols
+from service.http.context import RequestContext
 
 log = logging.getLogger(__name__)
 bp = Blueprint("hooks", __name__)
-
-_REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 
 # ---------------------------------------------------------------------- request lifecycle
 
 
 @bp.before_app_request
 def _start() -> None:
-    g.started = time.monotonic()
-    rid = request.headers.get("X-Request-ID", "")
-    g.request_id = rid if _REQUEST_ID_RE.match(rid) else uuid.uuid4().hex
+    headers = {k: request.headers[k] for k in ("X-Request-ID", "X-Request-Timeout") if k in request.headers}
+    g.context = RequestContext.begin(headers, request.environ.get("gunicorn.socket"), time.monotonic())
     settings = current_app.extensions["greenserve"]["settings"]
     if settings.api_token and protocols.needs_token(request.path):
         scheme, _, supplied = request.headers.get("Authorization", "").strip().partition(" ")
@@ -51,29 +47,31 @@ def _start() -> None:
 
 @bp.after_app_request
 def _finish(response: Response) -> Response:
+    ctx, work = current.context_or_none(), current.served()
     route = request.url_rule.rule if request.url_rule else "unmatched"
     metrics.REQUESTS.labels(route, str(response.status_code)).inc()
-    response.headers["X-Request-ID"] = g.get("request_id", "")
+    response.headers["X-Request-ID"] = _request_id()
     response.headers["X-Worker-PID"] = str(os.getpid())  # which worker answered: for balance diagnostics
-    if "started" in g:  # time inside the app (parsing to JSON), for telling server time from network time
-        response.headers["Server-Timing"] = f"app;dur={(time.monotonic() - g.started) * 1000:.1f}"
+    took_ms = (time.monotonic() - ctx.started) * 1000 if ctx else 0.0
+    if ctx:  # time inside the app (parsing to JSON), for telling server time from network time
+        response.headers["Server-Timing"] = f"app;dur={took_ms:.1f}"
     if current_app.extensions["greenserve"]["settings"].log_format == "json":  # text: gunicorn's access log
-        logs.access({"request_id": g.get("request_id", ""), "method": request.method, "route": route,
-                     "path": request.path, "status": response.status_code, "images": g.get("images", 0),
-                     "timings_ms": g.get("timings_ms", {}), "worker_pid": os.getpid(),
+        logs.access({"request_id": _request_id(), "method": request.method, "route": route,
+                     "path": request.path, "status": response.status_code, "images": work.images if work else 0,
+                     "timings_ms": work.timings_ms if work else {}, "worker_pid": os.getpid(),
                      "bytes_in": request.content_length or 0, "bytes_out": response.content_length or 0,
-                     "duration_ms": round((time.monotonic() - g.get("started", time.monotonic())) * 1000, 1),
+                     "duration_ms": round(took_ms, 1),
                      "remote_addr": request.remote_addr})
     return response
 
 
 @bp.app_errorhandler(GreenserveError)
 def handle_error(err: GreenserveError) -> Response:
-    fields = {"request_id": g.get("request_id"), "code": err.code}  # the JSON line's own fields
+    fields = {"request_id": _request_id(), "code": err.code}  # the JSON line's own fields
     if isinstance(err, ClientGone):
-        log.info("request_id=%s %s: its remaining work was stopped", g.get("request_id"), err.code, extra=fields)
+        log.info("request_id=%s %s: its remaining work was stopped", _request_id(), err.code, extra=fields)
     elif err.status_code >= 500 and not err.headers:
-        log.error("request_id=%s %s: %s", g.get("request_id"), err.code, err.message, extra=fields)
+        log.error("request_id=%s %s: %s", _request_id(), err.code, err.message, extra=fields)
     return error_response(err.status_code, err.to_dict(), err.headers)
 
 
@@ -93,8 +91,8 @@ def handle_http(exc: HTTPException) -> Response:
 
 @bp.app_errorhandler(Exception)
 def handle_unexpected(exc: Exception) -> Response:
-    log.exception("request_id=%s unhandled error", g.get("request_id"),
-                  extra={"request_id": g.get("request_id"), "code": "internal_error"})
+    log.exception("request_id=%s unhandled error", _request_id(),
+                  extra={"request_id": _request_id(), "code": "internal_error"})
     return error_response(500, {"code": "internal_error", "message": "internal error; report the request id",
                                 "details": []}, {})
 
@@ -102,9 +100,12 @@ def handle_unexpected(exc: Exception) -> Response:
 def error_response(status: int, error: dict[str, Any], headers: dict[str, str]) -> Response:
     """The error in the shape of the protocol that owns the path (routing errors included)."""
     metrics.ERRORS.labels(error["code"]).inc()
-    body = protocols.error_body(request.path, status, error, g.get("request_id", ""))
+    body = protocols.error_body(request.path, status, error, _request_id())
     if error["code"] == "inference_failed":
         headers = {**headers, "x-should-retry": "false"}  # deterministic: the OpenAI SDK would retry a 500
     return Response(orjson.dumps(body), status=status, headers=headers, mimetype="application/json")
 
 
+def _request_id() -> str:
+    ctx = current.context_or_none()
+    return ctx.request_id if ctx else ""

@@ -17,7 +17,7 @@ import orjson
 from flask import Blueprint, Response
 
 from service.engine.types import ModelInfo
-from service.http import dataplane, protocols
+from service.http import current, dataplane, protocols
 from service.http.openapi_schemas import TASKS, Schema, ref, request_schemas, response_schemas
 from service.settings import Settings
 
@@ -68,7 +68,7 @@ bp = Blueprint("openapi", __name__)
 
 @bp.get("/openapi.json")
 def document() -> Response:
-    p = dataplane.parts()
+    p = current.parts()
     return Response(_encoded(p.settings, p.runner.info), mimetype="application/json")
 
 

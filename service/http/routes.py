@@ -12,7 +12,7 @@ from flask import Blueprint, Response, request
 from service import metrics
 from service.engine.types import ModelInfo
 from service.errors import RequestError, UnsupportedMediaType
-from service.http import dataplane
+from service.http import current, dataplane
 from service.http.protocols import openai
 from service.pipeline.inputs import InferenceRequest, check_part_names, parse_doc, parse_form
 from service.pipeline.json_body import load_json
@@ -27,10 +27,10 @@ bp = Blueprint("routes", __name__)
 @bp.post("/v1/embeddings")
 def embeddings() -> Response:
     """Native ``{"images"|"texts": [...]}`` or OpenAI ``{"model", "input"}``: one response shape for both."""
-    with dataplane.busy() as p:
+    with current.busy() as p:
         req, options = _parse_request(p, "embeddings", openai_too=True)
-        body = dataplane.run(p, req, "embeddings")
-    return dataplane.json_response(openai.embeddings_body(body, req, options))
+        body = current.run(p, req, "embeddings")
+    return current.json_response(openai.embeddings_body(body, req, options))
 
 
 @bp.post("/v1/classify")
@@ -45,9 +45,9 @@ def rank() -> Response:
 
 
 def _infer(task: str) -> Response:
-    with dataplane.busy() as p:
+    with current.busy() as p:
         req, _ = _parse_request(p, task)
-        return dataplane.json_response(dataplane.run(p, req, task))
+        return current.json_response(current.run(p, req, task))
 
 
 def _parse_request(p: dataplane.Parts, task: str, openai_too: bool = False
@@ -84,7 +84,7 @@ def _parse_json(raw: bytes, settings: Settings, task: str, openai_too: bool, inf
 @bp.get("/v1/models")
 def models() -> Response:
     """Native (``data[0]`` is the model's description), OpenAI (``data[].id``) and KServe v1 (``models``)."""
-    runner = dataplane.parts().runner
+    runner = current.parts().runner
     if runner.info is None:
         return _json({"object": "list", "data": [], "models": [], "status": "loading"}, 503)
     return _json(openai.models_body(runner.info))
@@ -93,7 +93,7 @@ def models() -> Response:
 @bp.get("/v1/models/<name>")
 def model(name: str) -> Response:
     """OpenAI's model retrieve and KServe v1's model readiness (``ready``; 503 while loading)."""
-    p = dataplane.parts()
+    p = current.parts()
     dataplane.resolve_model(p, name)
     info = p.runner.info
     if info is None:
@@ -114,7 +114,7 @@ def healthz() -> Response:
 
 @bp.get("/readyz")
 def readyz() -> Response:
-    runner = dataplane.parts().runner
+    runner = current.parts().runner
     if runner.info is not None:
         return _json({"status": "ready", "pid": os.getpid(), "model": runner.info.name})
     return _json({"status": "not_ready", "pid": os.getpid(), "reason": dataplane.not_ready_reason(runner)}, 503)

@@ -23,7 +23,7 @@ from typing import Any
 from flask import Blueprint, Response, request
 
 from service.errors import RequestError
-from service.http import dataplane
+from service.http import current, dataplane
 from service.http.protocols.surface import Surface, flat_error_body
 from service.pipeline import postprocess
 from service.pipeline.inputs import (
@@ -50,16 +50,16 @@ _INSTANCE_FORMS = ('an image URL, a relative name or a data: URL, {"b64": ...}, 
 @bp.get("/")
 def alive() -> Response:
     """Server liveness (kserve's ``is_server_live``): this worker answers; readiness is /v1/models/<m>."""
-    return dataplane.json_response({"status": "alive"})
+    return current.json_response({"status": "alive"})
 
 
 @bp.post("/v1/models/<name>:predict")
 def predict(name: str) -> Response:
-    with dataplane.busy() as p:
+    with current.busy() as p:
         task = dataplane.resolve_model(p, name)
         req = dataplane.parse_body(p, request.get_data(cache=False), parse_body, p.settings)
-        body = dataplane.run(p, req, task)
-    return dataplane.json_response({"predictions": predictions(body, task)})
+        body = current.run(p, req, task)
+    return current.json_response({"predictions": predictions(body, task)})
 
 
 def parse_body(raw: bytes, settings: Settings) -> InferenceRequest:

@@ -17,12 +17,12 @@ import zlib
 from importlib.metadata import PackageNotFoundError, version
 
 import orjson
-from flask import Blueprint, Response, g, request
+from flask import Blueprint, Response, request
 
 from service import metrics
 from service.engine.types import ModelInfo
 from service.errors import NotFound, PayloadTooLarge, UnsupportedMediaType
-from service.http import dataplane
+from service.http import current, dataplane
 from service.http.protocols import oip_stats
 from service.http.protocols import oip_wire as wire
 from service.http.protocols.surface import Surface, flat_error_body
@@ -48,54 +48,54 @@ def _package_version() -> str:
 @bp.get("/v2")
 @bp.get("/v2/")
 def server_metadata() -> Response:
-    return dataplane.json_response({"name": "greenserve", "version": _package_version(), "extensions": EXTENSIONS})
+    return current.json_response({"name": "greenserve", "version": _package_version(), "extensions": EXTENSIONS})
 
 
 @bp.get("/v2/health/live")
 def live() -> Response:
-    return dataplane.json_response({"live": True})
+    return current.json_response({"live": True})
 
 
 @bp.get("/v2/health/ready")
 def ready() -> Response:
-    runner = dataplane.parts().runner
+    runner = current.parts().runner
     if runner.info is not None:
-        return dataplane.json_response({"ready": True})
-    return dataplane.json_response({"ready": False, "error": dataplane.not_ready_reason(runner)}, 503)
+        return current.json_response({"ready": True})
+    return current.json_response({"ready": False, "error": dataplane.not_ready_reason(runner)}, 503)
 
 
 @bp.get("/v2/models")
 def models() -> Response:
     """KServe's list: the model names (readiness is /v2/models/<m>/ready)."""
-    return dataplane.json_response({"models": [dataplane.model_name(dataplane.parts())]})
+    return current.json_response({"models": [dataplane.model_name(current.parts())]})
 
 
 @bp.post("/v2/repository/index")
 def repository_index() -> Response:
     """Read-only: this server serves its one model; loading and unloading are not offered."""
-    p = dataplane.parts()
-    return dataplane.json_response([{"name": dataplane.model_name(p), "version": VERSION,
+    p = current.parts()
+    return current.json_response([{"name": dataplane.model_name(p), "version": VERSION,
                                    "state": "READY" if p.runner.info else "LOADING"}])
 
 
 @bp.get(_MODEL + "/ready")
 @bp.get(_VERSIONED + "/ready")
 def model_ready(name: str, version: str | None = None) -> Response:
-    p = dataplane.parts()
+    p = current.parts()
     _check_model(p, name, version)
     ok = p.runner.info is not None
-    return dataplane.json_response({"name": name, "ready": ok, **({} if ok else {"error": "model loading"})},
+    return current.json_response({"name": name, "ready": ok, **({} if ok else {"error": "model loading"})},
                                  200 if ok else 503)
 
 
 @bp.get(_MODEL)
 @bp.get(_VERSIONED)
 def model_metadata(name: str, version: str | None = None) -> Response:
-    p = dataplane.parts()
+    p = current.parts()
     _check_model(p, name, version)
     info = dataplane.require_info(p)
     outputs = [{"name": n, "datatype": "FP32", "shape": [-1, dim]} for n, dim in _outputs(info)]
-    return dataplane.json_response({"name": name, "versions": [VERSION], "platform": _platform(info),
+    return current.json_response({"name": name, "versions": [VERSION], "platform": _platform(info),
                                   "inputs": [{"name": wire.INPUT, "datatype": "BYTES", "shape": [-1, 1]}],
                                   "outputs": outputs})
 
@@ -104,12 +104,12 @@ def model_metadata(name: str, version: str | None = None) -> Response:
 @bp.get(_VERSIONED + "/config")
 def model_config(name: str, version: str | None = None) -> Response:
     """The JSON form of Triton's ModelConfig, for clients that size their batches from it."""
-    p = dataplane.parts()
+    p = current.parts()
     _check_model(p, name, version)
     info = dataplane.require_info(p)
     s = p.settings
     outputs = [{"name": n, "data_type": "TYPE_FP32", "dims": [dim], "label_filename": ""} for n, dim in _outputs(info)]
-    return dataplane.json_response({
+    return current.json_response({
         "name": name, "platform": _platform(info), "backend": "greenserve", "max_batch_size": s.max_images,
         "input": [{"name": wire.INPUT, "data_type": "TYPE_STRING", "format": "FORMAT_NONE", "dims": [1]}],
         "output": outputs,
@@ -123,24 +123,24 @@ def model_config(name: str, version: str | None = None) -> Response:
 @bp.get(_VERSIONED + "/stats")
 def statistics(name: str | None = None, version: str | None = None) -> Response:
     """Triton's inference statistics for the one model (``/v2/models/stats``: every model, so that one)."""
-    p = dataplane.parts()
+    p = current.parts()
     if name is not None:
         _check_model(p, name, version)
     entry = oip_stats.model_stats(metrics.samples(), name or dataplane.model_name(p), VERSION)
-    return dataplane.json_response({"model_stats": [entry]})
+    return current.json_response({"model_stats": [entry]})
 
 
 @bp.post(_MODEL + "/infer")
 @bp.post(_VERSIONED + "/infer")
 def infer(name: str, version: str | None = None) -> Response:
-    with dataplane.busy() as p:
+    with current.busy() as p:
         _check_model(p, name, version)
         info = dataplane.require_info(p)
         call = _parse(p, [n for n, _ in _outputs(info)])
-        rows = dataplane.run_rows(p, call.request, call.tasks, timeout_s=call.timeout_s)
+        rows = current.run_rows(p, call.request, call.tasks, timeout_s=call.timeout_s)
     outputs, chunks = wire.encode_outputs(call, rows.rows, rows.info.labels)
     doc = {"model_name": name, "model_version": VERSION, **({"id": call.id} if call.id is not None else {}),
-           "parameters": {"request_id": g.request_id, "worker_pid": os.getpid()}, "outputs": outputs}
+           "parameters": {"request_id": current.context().request_id, "worker_pid": os.getpid()}, "outputs": outputs}
     head = orjson.dumps(doc, option=orjson.OPT_SERIALIZE_NUMPY)
     if not chunks:
         return _compressed(head, "application/json", {})

@@ -24,7 +24,7 @@ from typing import Any
 from flask import Blueprint, Response, request
 
 from service.errors import MethodNotAllowed, NotFound, RequestError, UnsupportedMediaType
-from service.http import dataplane
+from service.http import current, dataplane
 from service.http.protocols import openai
 from service.http.protocols.surface import Surface
 from service.pipeline import postprocess
@@ -73,21 +73,21 @@ SURFACE = Surface("torchserve", re.compile(r"^/(ping|predictions|models)(/|$)"),
 @bp.get("/ping")
 def ping() -> Response:
     """TorchServe's health check is model readiness: this worker's model is loaded."""
-    if dataplane.parts().runner.info is not None:
-        return dataplane.json_response({"status": "Healthy"})
-    return dataplane.json_response({"status": "Unhealthy"}, 500)
+    if current.parts().runner.info is not None:
+        return current.json_response({"status": "Healthy"})
+    return current.json_response({"status": "Unhealthy"}, 500)
 
 
 @bp.route("/predictions/<name>", methods=["POST", "PUT"])
 @bp.route("/predictions/<name>/<version>", methods=["POST", "PUT"])
 def predict(name: str, version: str | None = None) -> Response:
-    with dataplane.busy() as p:
+    with current.busy() as p:
         task = dataplane.resolve_model(p, name)
         _check_version(name, version)
         req = parse_request(p.settings)
-        body = dataplane.run(p, req, task)
+        body = current.run(p, req, task)
     answers = [item["embedding"] if task == "embeddings" else postprocess.label_scores(item["labels"]) for item in body["data"]]
-    return dataplane.json_response(answers[0] if len(answers) == 1 else answers)
+    return current.json_response(answers[0] if len(answers) == 1 else answers)
 
 
 def parse_request(settings: Settings) -> InferenceRequest:
@@ -143,21 +143,21 @@ def _check_version(name: str, version: str | None) -> None:
 def list_models() -> Response:
     """``{"models": [{"modelName", "modelUrl"}]}``: the classifier and ``<m>-embedding`` (only the first
     while the model loads, when what it provides is not known yet)."""
-    p = dataplane.parts()
+    p = current.parts()
     info = p.runner.info
     names = openai.model_ids(info) if info else [dataplane.model_name(p)]
     url = info.weights if info else p.settings.weights
-    return dataplane.json_response({"models": [{"modelName": n, "modelUrl": url} for n in names]})
+    return current.json_response({"models": [{"modelName": n, "modelUrl": url} for n in names]})
 
 
 @bp.get("/models/<name>")
 @bp.get("/models/<name>/<version>")
 def describe_model(name: str, version: str | None = None) -> Response:
     """TorchServe's description (a list of one): this worker's view, as each worker answers for itself."""
-    p = dataplane.parts()
+    p = current.parts()
     dataplane.resolve_model(p, name)
     _check_version(name, None if version == "all" else version)
-    return dataplane.json_response([description(p, name)])
+    return current.json_response([description(p, name)])
 
 
 def description(p: dataplane.Parts, name: str) -> dict[str, Any]:

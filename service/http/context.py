@@ -1,0 +1,45 @@
+"""One request's own facts, built once when it starts and passed down: the data plane, the pipeline and the
+engine take this value (or what it says) as an argument; nothing below the routes reads ``flask.g``."""
+
+from __future__ import annotations
+
+import re
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from service.errors import RequestError
+
+_REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+
+
+@dataclass(frozen=True)
+class RequestContext:
+    request_id: str  # the caller's X-Request-ID when it is a sane one, else a fresh one
+    started: float  # time.monotonic() when the app got the request
+    timeout_header: str | None = None  # X-Request-Timeout as sent (checked only where a deadline is needed)
+    client: Any = field(default=None, repr=False)  # the client's socket (gunicorn's), to see it leave
+
+    @classmethod
+    def begin(cls, headers: Mapping[str, str], client: Any, now: float) -> RequestContext:
+        """From the request's headers (X-Request-ID, X-Request-Timeout) and its socket."""
+        rid = headers.get("X-Request-ID", "")
+        return cls(rid if _REQUEST_ID_RE.match(rid) else uuid.uuid4().hex, now, headers.get("X-Request-Timeout"),
+                   client)
+
+    def deadline(self, request_timeout_s: float, protocol_timeout_s: float | None = None) -> float:
+        """GREENSERVE_REQUEST_TIMEOUT_S from the start, shortened by X-Request-Timeout or by the protocol's
+        own timeout (OIP's ``timeout`` parameter)."""
+        timeout = request_timeout_s
+        if self.timeout_header:
+            try:
+                asked = float(self.timeout_header)
+            except ValueError:
+                raise RequestError(f"X-Request-Timeout={self.timeout_header!r} is not a number of seconds") from None
+            if not asked > 0:
+                raise RequestError("X-Request-Timeout must be a positive number of seconds")
+            timeout = min(timeout, asked)
+        if protocol_timeout_s is not None:
+            timeout = min(timeout, protocol_timeout_s)
+        return self.started + timeout
