@@ -76,7 +76,7 @@ def test_concurrent_requests_get_their_own_rows_in_order() -> None:
 
     def request(base: int) -> list[float]:
         group = Request()
-        results = [b.submit(pixel(base + i), group=group) for i in range(5)]
+        results = [b.submit(pixel(base + i), admission=group) for i in range(5)]
         return [r.get().features[0] for r in results]
 
     jobs = [gevent.spawn(request, base) for base in (0, 10, 20, 30, 40, 50)]
@@ -109,7 +109,7 @@ def test_without_cross_request_batching_a_forward_holds_one_request() -> None:
     b._run_batch = spy  # type: ignore[method-assign]
     def request(base: int) -> list[Row]:
         group = Request()
-        return [r.get() for r in [b.submit(pixel(base + i), group=group) for i in range(3)]]
+        return [r.get() for r in [b.submit(pixel(base + i), admission=group) for i in range(3)]]
 
     jobs = [gevent.spawn(request, base) for base in (10, 20, 30)]
     gevent.joinall(jobs, raise_error=True)
@@ -120,9 +120,9 @@ def test_without_cross_request_batching_a_forward_holds_one_request() -> None:
 def test_failing_batch_fails_only_its_images_and_the_batcher_carries_on() -> None:
     fwd = Forward(fail_on=66)
     b = make(fwd, across_requests=False, max_wait_s=0.0)
-    bad = [b.submit(pixel(66), group=Request())]
+    bad = [b.submit(pixel(66), admission=Request())]
     good_request = Request()
-    good = [b.submit(pixel(v), group=good_request) for v in (1, 2)]
+    good = [b.submit(pixel(v), admission=good_request) for v in (1, 2)]
     with pytest.raises(InferenceFailed):
         bad[0].get()
     assert [r.get().features[0] for r in good] == [1, 2]
@@ -156,8 +156,8 @@ def test_earlier_requests_images_go_first_whatever_order_they_arrive_in() -> Non
     blocker = b.submit(pixel(0), arrived=0.0)  # occupies the model while the rest queue up
     gevent.sleep(0.01)
     late_request, early_request = Request(), Request()
-    late = [b.submit(pixel(20 + i), group=late_request, arrived=2.0) for i in range(2)]
-    early = [b.submit(pixel(10 + i), group=early_request, arrived=1.0) for i in range(2)]
+    late = [b.submit(pixel(20 + i), admission=late_request, arrived=2.0) for i in range(2)]
+    early = [b.submit(pixel(10 + i), admission=early_request, arrived=1.0) for i in range(2)]
     order: list[str] = []
     jobs = [gevent.spawn(lambda rs=rs, name=name: ([r.get() for r in rs], order.append(name)))
             for name, rs in (("late", late), ("early", early))]
@@ -194,7 +194,7 @@ def feed_one_request(b: Batcher, request: Request, n: int, gap_s: float) -> list
         results = []
         for i in range(n):
             request.upstream -= 1
-            results.append(b.submit(pixel(i), group=request))
+            results.append(b.submit(pixel(i), admission=request))
             gevent.sleep(gap_s)
         return results
 
@@ -216,7 +216,7 @@ def test_gathering_batch_goes_when_arrivals_stall() -> None:
     fwd = Forward(delay_s=0)
     b = make(fwd, max_wait_s=0.005, policy=Policy(lambda: 1, Gather.BRIDGE_GAPS))  # one image never comes
     t0 = time.monotonic()
-    assert b.submit(pixel(4), group=Request(upstream=1)).get(timeout=2).features[0] == 4
+    assert b.submit(pixel(4), admission=Request(upstream=1)).get(timeout=2).features[0] == 4
     waited = time.monotonic() - t0
     assert 0.03 < waited < 1.0, f"a stalled gather should wait about GATHER_GAP_S, waited {waited:.3f}s"
     b.stop()
@@ -227,7 +227,7 @@ def test_a_gathering_batch_goes_after_gather_max_s_however_busy_decode_is(monkey
     fwd = Forward(delay_s=0)
     b = make(fwd, max_wait_s=0.005, policy=Policy(lambda: 1, Gather.WHILE_DECODING))
     t0 = time.monotonic()
-    assert b.submit(pixel(4), group=Request(upstream=1)).get(timeout=3).features[0] == 4
+    assert b.submit(pixel(4), admission=Request(upstream=1)).get(timeout=3).features[0] == 4
     waited = time.monotonic() - t0
     assert 0.15 < waited < 1.5, f"the gathering batch should go after GATHER_MAX_S, waited {waited:.3f}s"
     b.stop()
@@ -242,7 +242,7 @@ def test_a_stream_of_small_requests_is_not_held_back_by_gathering() -> None:
     def feed() -> list:
         results = []
         for i in range(5):
-            results.append(b.submit(pixel(i), group=Request(upstream=0)))
+            results.append(b.submit(pixel(i), admission=Request(upstream=0)))
             gevent.sleep(0.02)
         return results
 
@@ -259,11 +259,11 @@ def test_a_request_with_images_on_their_way_gets_batches_of_its_own() -> None:
     b = make(fwd, max_wait_s=0.005)
     a, later = Request(upstream=2), Request(upstream=0)
     b.submit(pixel(99)).get(timeout=2)  # warm: the next batch starts from an empty queue
-    results = [b.submit(pixel(1), group=a, arrived=1.0), b.submit(pixel(2), group=a, arrived=1.0)]
-    results += [b.submit(pixel(10 + i), group=later, arrived=2.0) for i in range(3)]
+    results = [b.submit(pixel(1), admission=a, arrived=1.0), b.submit(pixel(2), admission=a, arrived=1.0)]
+    results += [b.submit(pixel(10 + i), admission=later, arrived=2.0) for i in range(3)]
     assert [r.get(timeout=2).batch_size for r in results] == [2, 2, 3, 3, 3]
     a.upstream = 0
-    mixed = [b.submit(pixel(3), group=a, arrived=1.0), b.submit(pixel(20), group=later, arrived=2.0)]
+    mixed = [b.submit(pixel(3), admission=a, arrived=1.0), b.submit(pixel(20), admission=later, arrived=2.0)]
     assert [r.get(timeout=2).batch_size for r in mixed] == [2, 2]
     b.stop()
 
@@ -287,8 +287,8 @@ def test_a_cancelled_requests_queued_images_never_reach_the_model() -> None:
     running = [b.submit(pixel(1)), b.submit(pixel(2))]  # the first batch starts at once
     gevent.sleep(0.02)
     gone, other = Request(), Request()
-    dropped = [b.submit(pixel(10 + i), group=gone) for i in range(3)]
-    kept = b.submit(pixel(20), group=other)
+    dropped = [b.submit(pixel(10 + i), admission=gone) for i in range(3)]
+    kept = b.submit(pixel(20), admission=other)
     assert b.cancel(gone) == 3
     gone.cancelled = True
     assert [r.get(timeout=2).features[0] for r in running] == [1, 2]  # the running batch finishes
@@ -302,7 +302,7 @@ def test_a_request_cancelled_while_its_batch_gathers_is_left_out_of_the_forward(
     fwd = Forward()
     b = make(fwd, max_wait_s=0.2)
     request = Request(upstream=1)  # more of its images on their way: its batch waits for them
-    first = b.submit(pixel(5), group=request)
+    first = b.submit(pixel(5), admission=request)
     gevent.sleep(0.05)
     request.cancelled = True
     request.upstream = 0

@@ -17,7 +17,7 @@ from service.http import dataplane
 from service.http.context import RequestContext
 from service.pipeline.inputs import parse_json
 from service.pipeline.orchestrate import Orchestrator
-from service.pipeline.texts import TextEncoder
+from service.pipeline.text_encoder import TextEncoder
 from service.settings import Settings
 from tests import images
 from tests.fakes import FakeFetcher, FakeModel

@@ -23,7 +23,7 @@ from service.app import create_app
 from service.errors import GreenserveError
 from service.http.openapi import build
 from service.http.protocols import openai
-from service.pipeline.text_inputs import TASK_FIELDS
+from service.pipeline.text_options import TASK_FIELDS
 from service.settings import Settings
 from tests import images
 from tests.fakes import FakeFetcher, FakeModel
@@ -247,7 +247,7 @@ def test_loading_responses_match_the_document(monkeypatch: pytest.MonkeyPatch) -
     def never_loads(*args: object) -> None:
         raise RuntimeError("not in this test")
 
-    monkeypatch.setattr("service.app._load_model", never_loads)
+    monkeypatch.setattr("service.app.load_for_worker", never_loads)
     client = create_app(Settings(model="resnet18", weights="random")).test_client()
     doc = client.get("/openapi.json").json
     assert "enum" not in doc["components"]["schemas"]["OpenAIEmbeddingsRequest"]["properties"]["dimensions"]

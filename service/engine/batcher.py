@@ -34,8 +34,8 @@ GATHER_GAP_S = 0.05  # with decode idle, a gathering batch goes once no image ha
 GATHER_MAX_S = 2.0  # a gathering batch goes after this long whatever comes (a bound, not a tuning)
 
 
-class Group(Protocol):
-    """What the batcher reads of the request an image belongs to (``runner.Admission``)."""
+class Admission(Protocol):
+    """What the batcher reads of the request an image belongs to (``scheduling.Admission``)."""
 
     @property
     def upstream(self) -> int: ...  # the request's images still being fetched or decoded
@@ -44,7 +44,7 @@ class Group(Protocol):
     def cancelled(self) -> bool: ...  # the request ended: its images are not worth a forward
 
 
-class Policy(Protocol):
+class BatchPolicy(Protocol):
     """What the batcher asks of the worker's scheduling (``scheduling.Scheduler``)."""
 
     def upstream(self) -> int: ...  # admitted images still being fetched or decoded
@@ -82,7 +82,7 @@ _Outcome = tuple[np.ndarray | None, np.ndarray | None] | Exception
 class _Item:
     pixels: Any  # a crop (H, W, 3), token ids, or a JPEG for the device (``device_decode.EncodedJpeg``)
     deadline: float | None
-    group: Group | None = None
+    admission: Admission | None = None
     rank: tuple[float, int] = (0.0, 0)  # (the request's arrival, the image's submission order)
     result: AsyncResult = field(default_factory=AsyncResult)
     enqueued: float = field(default_factory=time.monotonic)
@@ -106,7 +106,7 @@ class BatchStats:
 
 class Batcher:
     def __init__(self, run_batch: RunBatch, pool: ThreadPool, *, max_batch: int, max_wait_s: float,
-                 across_requests: bool = True, policy: Policy | None = None) -> None:
+                 across_requests: bool = True, policy: BatchPolicy | None = None) -> None:
         self._run_batch = run_batch
         self._pool = pool
         self.max_batch = max_batch
@@ -139,12 +139,12 @@ class Batcher:
             self._loop.kill()
             self._loop = None
 
-    def submit(self, pixels: Any, deadline: float | None = None, group: Group | None = None,
+    def submit(self, pixels: Any, deadline: float | None = None, admission: Admission | None = None,
                arrived: float | None = None) -> AsyncResult:
-        """Queue one image of request ``group`` (which ``arrived`` at that monotonic time; now if not given);
+        """Queue one image of request ``admission`` (which ``arrived`` at that monotonic time; now if not given);
         ``.get()`` the result to wait for its ``Row``."""
         rank = (time.monotonic() if arrived is None else arrived, next(self._order))
-        item = _Item(pixels, deadline, group, rank)
+        item = _Item(pixels, deadline, admission, rank)
         heapq.heappush(self._items, (rank, item))
         self._last_submit = item.enqueued
         self._arrived.set()
@@ -154,9 +154,9 @@ class Batcher:
         """Make a waiting collector look again (at ``upstream``, say)."""
         self._arrived.set()
 
-    def cancel(self, group: Group) -> int:
-        """Drop ``group``'s queued images (a batch already running finishes); how many were dropped."""
-        kept = [entry for entry in self._items if entry[1].group is not group]
+    def cancel(self, admission: Admission) -> int:
+        """Drop ``admission``'s queued images (a batch already running finishes); how many were dropped."""
+        kept = [entry for entry in self._items if entry[1].admission is not admission]
         dropped = len(self._items) - len(kept)
         if dropped:
             heapq.heapify(kept)
@@ -180,7 +180,7 @@ class Batcher:
         until = time.monotonic() + self.max_wait_s
         gather_until = time.monotonic() + GATHER_MAX_S
         while len(batch) < self.max_batch:
-            item = self._pop(first.group if self._exclusive(first.group) else None)
+            item = self._pop(first.admission if self._exclusive(first.admission) else None)
             if item is not None:
                 batch.append(self._take(item))
                 continue
@@ -188,11 +188,11 @@ class Batcher:
                 break
             if self._items and self._items[0][0][0] < first.rank[0]:
                 # an earlier request's image came: it leads the next batch. Waiting on would also risk
-                # waiting for images whose decode is held back behind it (``Runner._may_decode``)
+                # waiting for images whose decode is held back behind it (``Scheduler._may_decode``)
                 break
             now = time.monotonic()
             remaining = until - now
-            if self._policy is not None and _upstream(first.group) > 0:
+            if self._policy is not None and _upstream(first.admission) > 0:
                 gather = self._policy.gather()
                 if gather is Gather.WHILE_DECODING:  # its next image is being decoded: wait for it
                     remaining = max(remaining, GATHER_GAP_S)
@@ -210,23 +210,23 @@ class Batcher:
             self._policy.taken()
         return item
 
-    def _exclusive(self, group: Group | None) -> bool:
-        """Whether a batch led by ``group``'s image may only hold that group's images.
+    def _exclusive(self, admission: Admission | None) -> bool:
+        """Whether a batch led by ``admission``'s image may only hold that admission's images.
 
-        Always without cross-request batching. With it, while the group still has images on their way
-        (``group.upstream`` > 0, see ``Runner.Admission``): on a CPU an image costs the same in any batch,
+        Always without cross-request batching. With it, while the admission still has images on their way
+        (``admission.upstream`` > 0, see ``Runner.Admission``): on a CPU an image costs the same in any batch,
         so filling the batch with a later request's images would only delay the earlier request, and
         the next batch will hold more of its images anyway. Tiny requests (nothing upstream) still
         share forwards.
         """
-        return not self.across_requests or _upstream(group) > 0
+        return not self.across_requests or _upstream(admission) > 0
 
-    def _pop(self, group: Group | None) -> _Item | None:
-        """The next image by rank, or (``group`` given) the next of that group's."""
-        if group is None:
+    def _pop(self, admission: Admission | None) -> _Item | None:
+        """The next image by rank, or (``admission`` given) the next of that admission's."""
+        if admission is None:
             return heapq.heappop(self._items)[1] if self._items else None
         for i, (_, item) in enumerate(self._items):
-            if item.group is group:
+            if item.admission is admission:
                 self._items[i] = self._items[-1]
                 self._items.pop()
                 heapq.heapify(self._items)
@@ -239,7 +239,7 @@ class Batcher:
         now = time.monotonic()
         live = []
         for item in batch:
-            if item.group is not None and item.group.cancelled:
+            if item.admission is not None and item.admission.cancelled:
                 continue
             if item.deadline is not None and now >= item.deadline:
                 item.result.set_exception(DeadlineExceeded(
@@ -269,8 +269,8 @@ class Batcher:
                 item.result.set(Row(row[0], row[1], started - item.enqueued, seconds, len(batch)))
 
 
-def _upstream(group: Group | None) -> int:
-    return group.upstream if group is not None else 0
+def _upstream(admission: Admission | None) -> int:
+    return admission.upstream if admission is not None else 0
 
 
 def _stacked(items: list[Any]) -> Any:

@@ -3,7 +3,7 @@ through ``torchvision.io.decode_jpeg(device="cuda")``, a whole batch in one call
 resize and centre crop as tensor ops on the device. Everything here runs in the worker's one inference
 thread, so the hub never waits on CUDA and no other thread touches the device.
 
-The safety checks stay in the decode threads (``pipeline.device_jpeg``): the format sniffed and allow-listed,
+The safety checks stay in the decode threads (``pipeline.decode.jpeg_for_device``): the format sniffed and allow-listed,
 the pixel limit and the EXIF orientation read from the header, before anything is decoded. Only JPEGs
 that pass come here as ``EncodedJpeg``; a JPEG the device cannot decode is sent back (``DeviceDecodeFailed``)
 and goes through Pillow like every other format.

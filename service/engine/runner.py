@@ -8,7 +8,7 @@
     Runner.infer_text() queue one text for the text batcher: same inference thread, never in an image batch
 
 The order in which requests move through a worker is ``scheduling.Scheduler``'s; how many cores the
-forward uses is ``threads.ThreadPlan``'s.
+forward uses is ``cores.CorePlan``'s.
 """
 
 from __future__ import annotations
@@ -27,9 +27,9 @@ from gevent.threadpool import ThreadPool
 
 from service import metrics
 from service.engine.batcher import Batcher, Outputs
+from service.engine.cores import CorePlan, Siblings, lower_priority
 from service.engine.device_decode import EncodedJpeg
 from service.engine.scheduling import Admission, Gather, Rank, Scheduler
-from service.engine.threads import Siblings, ThreadPlan, lower_priority
 from service.engine.types import ModelInfo, Tokens
 from service.errors import GreenserveError
 from service.settings import Settings
@@ -69,9 +69,9 @@ class Runner:
         self.settings = settings
         self._infer_pool = ThreadPool(1)  # the worker-local lock: one native thread touches the model
         self._decode_pool = ThreadPool(settings.decode_threads_per_worker())
-        # below the hub (HTTP, health checks) come the model, then decode: see ``threads.lower_priority``
+        # below the hub (HTTP, health checks) come the model, then decode: see ``cores.lower_priority``
         self._inference_nice = settings.compute_nice // 2
-        self.threads = ThreadPlan(settings, cores or len(os.sched_getaffinity(0)), siblings)
+        self.threads = CorePlan(settings, cores or len(os.sched_getaffinity(0)), siblings)
         self.scheduling = Scheduler(settings, self._decode_pool.maxsize, self.threads)
         self.batcher = Batcher(self._forward, self._infer_pool, max_batch=settings.max_batch,
                                max_wait_s=settings.max_batch_wait_ms / 1000,
@@ -138,6 +138,14 @@ class Runner:
         with self.scheduling.admit(n_images, coming=coming, arrived=arrived, ready=self.ready,
                                    seconds_per_image=self.batcher.stats.seconds_per_image) as admission:
             yield admission
+
+    def wait_to_fetch(self, admission: Admission) -> None:
+        """Until this request's turn to fetch comes (``Scheduler.wait_to_fetch``)."""
+        self.scheduling.wait_to_fetch(admission)
+
+    def admitted(self) -> int:
+        """Images admitted and not yet answered, on this worker."""
+        return self.scheduling.admitted()
 
     def offload(self, fn: Callable[..., T], *args: Any, rank: Rank | None = None) -> T:
         """Run CPU-bound ``fn`` in a native decode thread; the calling greenlet waits cooperatively.

@@ -52,8 +52,8 @@ class Queue(Protocol):
     def cancel(self, group: Admission) -> int: ...
 
 
-class Cores(Protocol):
-    """Whether the next forward runs on every core (``threads.ThreadPlan``)."""
+class CorePlan(Protocol):
+    """Whether the next forward runs on every core (``cores.CorePlan``)."""
 
     def all_cores(self) -> bool: ...
 
@@ -84,7 +84,7 @@ class Admission:
 
 
 class Scheduler:
-    def __init__(self, settings: Settings, decode_threads: int, cores: Cores) -> None:
+    def __init__(self, settings: Settings, decode_threads: int, cores: CorePlan) -> None:
         self._max_queue = settings.max_queue_images
         self._fetch_ahead = settings.fetch_concurrency
         self._decode_threads = decode_threads

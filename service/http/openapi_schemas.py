@@ -13,7 +13,7 @@ from typing import Any
 
 from service.http.protocols import openai
 from service.pipeline.inputs import DEFAULT_TOP_K, OPTION_FIELDS
-from service.pipeline.text_inputs import DEFAULT_TEMPLATE, TASK_FIELDS
+from service.pipeline.text_options import DEFAULT_TEMPLATE, TASK_FIELDS
 from service.settings import Settings
 
 Schema = dict[str, Any]

@@ -17,7 +17,7 @@ from urllib.parse import urljoin, urlsplit
 
 from service.errors import FetchError, ImageError, ImageTooLarge, NotAnImage, PayloadTooLarge, RequestError
 from service.pipeline.json_body import GIL_STEP, load_json
-from service.pipeline.text_inputs import TASK_FIELDS, TextOptions, parse_text_options
+from service.pipeline.text_options import TASK_FIELDS, TextOptions, parse_text_options
 from service.settings import Settings
 
 DEFAULT_TOP_K = 5

@@ -37,7 +37,7 @@ from service.pipeline.decode import decode_image, decode_opened, jpeg_for_device
 from service.pipeline.fetch import Fetcher
 from service.pipeline.inputs import ImageRef, InferenceRequest
 from service.pipeline.preprocess import preprocess
-from service.pipeline.texts import TextEncoder
+from service.pipeline.text_encoder import TextEncoder
 
 log = logging.getLogger(__name__)
 
@@ -191,7 +191,7 @@ class Orchestrator:
                     group.spawn(self._image, req, ref, ref.data, work)
             remote = [r for r in req.refs if r.url is not None and r.error is None]
             if remote:
-                self.runner.scheduling.wait_to_fetch(work.admission)
+                self.runner.wait_to_fetch(work.admission)
                 fetch_start = time.monotonic()
                 urls = [r.url for r in remote if r.url is not None]  # all of them: mypy cannot see it
                 for i, result in self.fetcher.fetch_many(urls, deadline=work.deadline,

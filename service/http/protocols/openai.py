@@ -25,7 +25,7 @@ from service.engine.types import ModelInfo
 from service.errors import RequestError
 from service.http.dataplane import EMBEDDING_SUFFIX, task_for_model
 from service.pipeline.inputs import ImageRef, InferenceRequest, base64_ref, check_count, is_reference, string_ref
-from service.pipeline.text_inputs import parse_text_options
+from service.pipeline.text_options import parse_text_options
 from service.settings import Settings
 
 FIELDS = ("model", "input", "encoding_format", "dimensions", "user", "modality", "normalize", "partial", "truncate")

@@ -164,7 +164,7 @@ def description(p: dataplane.Parts, name: str) -> dict[str, Any]:
     """``pendingRequests`` counts images (greenserve admits and batches images, TorchServe requests)."""
     s = p.settings
     info = p.runner.info
-    admitted = p.runner.scheduling.admitted()
+    admitted = p.runner.admitted()
     return {"modelName": name, "modelVersion": MODEL_VERSION, "modelUrl": info.weights if info else s.weights,
             "engine": "greenserve", "runtime": "python", "minWorkers": s.workers, "maxWorkers": s.workers,
             "batchSize": s.max_batch, "maxBatchDelay": s.max_batch_wait_ms, "responseTimeout": s.request_timeout_s,

@@ -18,7 +18,7 @@ from service.engine.types import Tokens
 from service.errors import PayloadTooLarge, RequestError
 from service.pipeline import postprocess
 from service.pipeline.inputs import parse_json
-from service.pipeline.texts import TextEncoder
+from service.pipeline.text_encoder import TextEncoder
 from service.settings import Settings
 from tests.fakes import FakeModel
 

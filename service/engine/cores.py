@@ -1,6 +1,6 @@
 """How many cores a worker's forward uses, and how urgent its native threads are.
 
-    ThreadPlan      torch threads for the next forward: pinned (GREENSERVE_TORCH_THREADS), every core while
+    CorePlan      torch threads for the next forward: pinned (GREENSERVE_TORCH_THREADS), every core while
                     no sibling worker is busy (GREENSERVE_BORROW_IDLE_CORES), else this worker's share
     lower_priority  a native thread runs some nice steps below the hub: the hub answers HTTP and health
                     checks first on saturated cores, then the model, then decode (figures: docs/SCHEDULING.md)
@@ -25,7 +25,7 @@ class Siblings(Protocol):
     def siblings_idle(self) -> bool: ...
 
 
-class ThreadPlan:
+class CorePlan:
     def __init__(self, settings: Settings, cores: int, siblings: Siblings | None = None) -> None:
         self.cores = cores
         self._share = settings.torch_threads_per_worker(cores)

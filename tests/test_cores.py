@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from service.engine.threads import ThreadPlan, lower_priority
+from service.engine.cores import CorePlan, lower_priority
 from service.settings import Settings
 
 
@@ -49,7 +49,7 @@ class Model:
 def test_a_worker_borrows_every_core_only_while_its_siblings_are_idle() -> None:
     siblings = Siblings()
     settings = Settings.from_env({"GREENSERVE_WORKERS": "2"})
-    plan = ThreadPlan(settings, 2, siblings)
+    plan = CorePlan(settings, 2, siblings)
     model = Model()
     assert plan.forward_threads() == 2 and plan.all_cores()  # the siblings idle: every core
     plan.apply(model)
@@ -58,8 +58,8 @@ def test_a_worker_borrows_every_core_only_while_its_siblings_are_idle() -> None:
     assert plan.forward_threads() == 1 and not plan.all_cores()  # one is busy: this worker's share
     plan.apply(model)
     assert model.threads == [2, 1]  # set only when the plan changes
-    assert ThreadPlan(settings, 2).forward_threads() == 1  # nothing known of siblings: the share
-    pinned = ThreadPlan(Settings.from_env({"GREENSERVE_WORKERS": "2", "GREENSERVE_TORCH_THREADS": "1"}), 2,
+    assert CorePlan(settings, 2).forward_threads() == 1  # nothing known of siblings: the share
+    pinned = CorePlan(Settings.from_env({"GREENSERVE_WORKERS": "2", "GREENSERVE_TORCH_THREADS": "1"}), 2,
                         Siblings())
     assert pinned.forward_threads() == 1
     pinned.apply(model)
