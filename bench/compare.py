@@ -133,7 +133,7 @@ def start_servers(servers: dict[str, GunicornServer | UvicornServer],
         for name, fut in started.items():
             try:
                 urls[name] = fut.result().url
-            except Exception as exc:  # noqa: BLE001 - the caller records it for that server
+            except Exception as exc:
                 urls[name] = exc
     return urls
 
@@ -166,7 +166,7 @@ def check_design(design: Design, url: str | Exception, names: list[str], referen
         out["check_vs_bare"] = equivalence.compare(emb, reference, tolerance).to_dict()
         if baseline is not None:
             out["check_vs_greenserve"] = equivalence.compare(emb, baseline, tolerance).to_dict()
-    except Exception as exc:  # noqa: BLE001 - recorded in the report and turned into exit status 1
+    except Exception as exc:
         _failed(out, exc)
     return out
 
@@ -188,7 +188,7 @@ def run_steps(plan: Plan, live: list[dict[str, Any]], names: list[str], rates: l
                     r = k6.run_closed(d["url"], names, x)
                 else:
                     r = k6.run_open(d["url"], names, x, plan.open_duration_s, max_inflight=plan.max_inflight)
-            except Exception as exc:  # noqa: BLE001 - as above
+            except Exception as exc:
                 _failed(d, exc)
                 continue
             row = {**r.to_dict(), "loadavg": round(os.getloadavg()[0], 2)}

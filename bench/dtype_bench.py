@@ -138,7 +138,7 @@ def check_server(requested: str, url: str | Exception, cores: int, names: list[s
         out["dtype"], out["precision"] = model["dtype"], model.get("precision")
         emb = fetch_embeddings(url, names)  # also the warm-up with the real album
         out["check_vs_bare"] = equivalence.compare(emb, reference).to_dict()
-    except Exception as exc:  # noqa: BLE001 - recorded in the report and turned into exit status 1
+    except Exception as exc:
         _failed(out, exc)
     print(f"-- GREENSERVE_DTYPE={requested}: dtype {out['dtype']}, precision {json.dumps(out['precision'])}, "
           f"min cosine {out.get('check_vs_bare', {}).get('min_cosine', '-')}", flush=True)
@@ -168,7 +168,7 @@ def load_step(plan: Plan, s: dict[str, Any], kind: str, names: list[str]) -> Non
             o = s["offered"]
             r = k6.run_open(s["url"], names, o["rate_per_min"], o["duration_s"], max_inflight=plan.max_inflight,
                             graceful_stop_s=o["graceful_stop_s"])
-    except Exception as exc:  # noqa: BLE001 - as above
+    except Exception as exc:
         _failed(s, exc)
         return
     row = {**r.to_dict(), "loadavg": round(os.getloadavg()[0], 2)}

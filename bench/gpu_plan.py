@@ -173,7 +173,7 @@ def run_steps(steps: Sequence[Step], budget: Budget, log: list[dict[str, Any]], 
                 rec["status"] = "ok"
             except skip as exc:
                 rec.update(status="skipped", reason=str(exc))
-            except Exception as exc:  # noqa: BLE001 - recorded; the next step still runs
+            except Exception as exc:
                 rec.update(status="error", error=_short(f"{type(exc).__name__}: {exc}"))
                 print(f"!! {step.name}: {rec['error']}", flush=True)
             rec["seconds"] = round(budget.used() - t0, 1)

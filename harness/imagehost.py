@@ -68,7 +68,7 @@ class _Handler(BaseHTTPRequestHandler):
             self.server.host.connections += 1
         super().setup()
 
-    def do_GET(self) -> None:  # noqa: N802 - http.server's naming
+    def do_GET(self) -> None:
         host = self.server.host
         with host.lock:
             host.inflight += 1

@@ -28,7 +28,7 @@ _CONTROL = {c: f"\\x{c:02x}" if c < 0x100 else f"\\u{c:04x}"
 class TextFormatter(logging.Formatter):
     """One line per event: the message's control characters escaped (a traceback still follows it)."""
 
-    def formatMessage(self, record: logging.LogRecord) -> str:  # noqa: N802 - logging's name
+    def formatMessage(self, record: logging.LogRecord) -> str:
         record.message = record.message.translate(_CONTROL)
         return super().formatMessage(record)
 

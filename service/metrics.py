@@ -64,7 +64,7 @@ def samples() -> Samples:
 def _registry() -> CollectorRegistry:
     if os.environ.get(ENV):
         registry = CollectorRegistry()
-        multiprocess.MultiProcessCollector(registry)
+        multiprocess.MultiProcessCollector(registry)  # type: ignore[no-untyped-call]
         return registry
     from prometheus_client import REGISTRY
 

@@ -173,7 +173,7 @@ class Balance:
         board: outside gunicorn nothing is known)."""
         if self._seat is None or any(load for load, _ in self._seat.board.siblings(self.slot)):
             return False
-        return self._clock() - self._seat.board.overlap_at() > BORROW_QUIET_S
+        return bool(self._clock() - self._seat.board.overlap_at() > BORROW_QUIET_S)
 
     # ------------------------------------------------------------------ the decision
 

@@ -26,7 +26,7 @@ def worker_balance() -> Balance | None:
     return _current
 
 
-class GatedStreamServer(StreamServer):
+class GatedStreamServer(StreamServer):  # type: ignore[misc]  # gevent has no type information
     """A StreamServer whose accepting follows its ``Balance`` (level-triggered, see ``set_accepting``)."""
 
     def __init__(self, *args: Any, balance: Balance, **kwargs: Any) -> None:
@@ -66,7 +66,7 @@ class GatedStreamServer(StreamServer):
         return accepted
 
 
-class GreenserveWorker(ggevent.GeventWorker):
+class GreenserveWorker(ggevent.GeventWorker):  # type: ignore[misc]  # nor gunicorn
     greenserve_seat: Seat | None = None  # set by gunicorn.conf.py's pre_fork hook
 
     def init_process(self) -> None:

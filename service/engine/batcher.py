@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 
 # Forward function: a stacked batch (uint8 (N, H, W, 3) crops, or (N, context) token ids) → (features or
 # None, logits or None) with row i for item i, or ``Outputs`` when some items got no row.
-RunBatch = Callable[[Any], "tuple | Outputs"]
+RunBatch = Callable[[Any], "tuple[Any, Any] | Outputs"]
 GATHER_GAP_S = 0.05  # with decode idle, a gathering batch goes once no image has arrived for this long
 GATHER_MAX_S = 2.0  # a gathering batch goes after this long whatever comes (a bound, not a tuning)
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from torch.nn import functional as F  # noqa: N812 - torch's own spelling
+from torch.nn import functional as F
 
 from service.engine.types import Transform
 

@@ -14,7 +14,7 @@ import logging
 import os
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import open_clip
@@ -48,7 +48,7 @@ class ImageTower(nn.Module):
         self.clip: Any = clip  # open_clip's CLIP or CustomTextCLIP (untyped)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.clip.encode_image(x)
+        return cast(torch.Tensor, self.clip.encode_image(x))
 
 
 class ClipText:
@@ -87,18 +87,17 @@ class ClipText:
 
     def encode(self, ids: torch.Tensor) -> torch.Tensor:
         if not self._trim:
-            return self._clip.encode_text(ids)
+            return cast(torch.Tensor, self._clip.encode_text(ids))
         clip = self._clip
         n = int((ids != 0).sum(dim=1).max())
         ids = ids[:, :n]
-        cast = clip.transformer.get_cast_dtype()
-        x = clip.token_embedding(ids).to(cast) + clip.positional_embedding[:n].to(cast)
+        dtype = clip.transformer.get_cast_dtype()
+        x = clip.token_embedding(ids).to(dtype) + clip.positional_embedding[:n].to(dtype)
         x = clip.ln_final(clip.transformer(x, attn_mask=clip.attn_mask[:n, :n]))
         x = x[torch.arange(x.shape[0], device=x.device), ids.argmax(dim=-1)]  # the end token's features
         proj = clip.text_projection
-        if proj is None:
-            return x
-        return proj(x) if isinstance(proj, nn.Linear) else x @ proj
+        out = x if proj is None else proj(x) if isinstance(proj, nn.Linear) else x @ proj
+        return cast(torch.Tensor, out)
 
 
 def load(arch: str, weights: str, *, device: torch.device) -> LoadedModel:
@@ -175,7 +174,7 @@ def _create(arch: str, **kwargs: Any) -> nn.Module:
     quiet = _QuietCreate()
     logging.getLogger().addFilter(quiet)
     try:
-        return open_clip.create_model(arch, pretrained=None, load_weights=False, **kwargs)
+        return cast(nn.Module, open_clip.create_model(arch, pretrained=None, load_weights=False, **kwargs))
     finally:
         logging.getLogger().removeFilter(quiet)
 
@@ -198,7 +197,7 @@ def _from_file(arch: str, path: str, tag_cfg: dict[str, Any]) -> nn.Module:
             mask = torch.full(tuple(buf.shape), float("-inf")).triu_(1)
             owner.register_buffer(name.rpartition(".")[2], mask, persistent=False)
     check_all_set(clip, f"open_clip:{arch}")
-    return clip
+    return cast(nn.Module, clip)
 
 
 def _tag_config(arch: str, tag: str) -> dict[str, Any]:

@@ -123,7 +123,7 @@ class Runner:
 
     @property
     def ready(self) -> bool:
-        return self._ready.is_set()
+        return bool(self._ready.is_set())
 
     @property
     def info(self) -> ModelInfo | None:
@@ -161,7 +161,7 @@ class Runner:
                 raise outcome.error
             finally:  # the error's traceback holds this frame: through ``outcome`` it would be a cycle, and
                 outcome = None  # the failed body and its parsed document would wait for the cyclic GC
-        return outcome
+        return cast(T, outcome)
 
     def infer(self, pixels: np.ndarray | EncodedJpeg, deadline: float | None, admission: Admission) -> AsyncResult:
         return self.batcher.submit(pixels, deadline, admission, admission.arrived)

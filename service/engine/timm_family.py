@@ -50,7 +50,7 @@ def load(name: str, weights: str, *, device: torch.device, channels_last: bool =
     net = net.eval().to(device)
     if channels_last:  # a no-op (shared) when the file was saved in channels_last; else a private copy
         net = net.to(memory_format=torch.channels_last)
-    transform = _transform(timm.data.resolve_data_config({}, model=net))
+    transform = _transform(timm.data.resolve_data_config({}, model=net))  # type: ignore[attr-defined,no-untyped-call]
     n_classes = int(getattr(net, "num_classes", 0))
     labels = _labels(n_classes)
     info = ModelInfo(f"timm:{name}", ("embeddings", "classify"), None, labels, str(device), "float32", source,
@@ -134,7 +134,7 @@ def _transform(cfg: dict[str, Any]) -> Transform:
 
 def _labels(n: int) -> tuple[str, ...]:
     if n == 1000:
-        from timm.data import ImageNetInfo
+        from timm.data import ImageNetInfo  # type: ignore[attr-defined]
 
         names = ImageNetInfo()
         return tuple(names.index_to_description(i).split(",")[0] for i in range(n))

@@ -12,7 +12,7 @@ import os
 import time
 import warnings
 import zipfile
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -43,7 +43,7 @@ class EmbedClassify(nn.Module):
 
 
 def classification_models() -> list[str]:
-    return list_models(module=torchvision.models)
+    return cast(list[str], list_models(module=torchvision.models))
 
 
 def _module_for(name: str, weights: str, device: torch.device) -> tuple[nn.Module, str, str]:
@@ -173,7 +173,7 @@ def _swap(model: nn.Module, qualname: str, new: nn.Module) -> nn.Module:
     """Put ``new`` at ``qualname`` inside ``model``; return what was there."""
     parent_name, _, attr = qualname.rpartition(".")
     parent = model.get_submodule(parent_name) if parent_name else model
-    old = getattr(parent, attr)
+    old: nn.Module = getattr(parent, attr)
     setattr(parent, attr, new)
     return old
 
@@ -186,14 +186,14 @@ def _load_torchscript(path: str, device: torch.device) -> nn.Module:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=r"`torch\.jit\.load` is deprecated", category=FutureWarning)
         try:
-            return torch.jit.load(path, map_location=device)
+            return cast(nn.Module, torch.jit.load(path, map_location=device))  # type: ignore[no-untyped-call]
         except RuntimeError as exc:
             raise ModelLoadError(f"cannot load TorchScript file {path!r}: {str(exc)[:300]}") from exc
 
 
 def _random_model(name: str) -> nn.Module:
     torch.manual_seed(RANDOM_SEED)
-    return get_model_builder(name)(weights=None)
+    return cast(nn.Module, get_model_builder(name)(weights=None))
 
 
 def _from_state_dict(name: str, state: dict[str, torch.Tensor]) -> nn.Module:
@@ -201,7 +201,7 @@ def _from_state_dict(name: str, state: dict[str, torch.Tensor]) -> nn.Module:
     builder = get_model_builder(name)
     kwargs: dict[str, Any] = {}
     with torch.device("meta"):
-        model = builder(weights=None)
+        model: nn.Module = builder(weights=None)
     head_key = f"{_last_linear_name(model)}.weight"
     if head_key in state and state[head_key].shape[0] != model.get_submodule(head_key[:-7]).out_features:
         kwargs["num_classes"] = state[head_key].shape[0]

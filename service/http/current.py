@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, cast
 
 import orjson
 from flask import Response, current_app, g
@@ -18,12 +18,12 @@ from service.pipeline.orchestrate import Rows
 
 
 def context() -> RequestContext:
-    return g.context  # set by hooks when the request starts
+    return cast(RequestContext, g.context)  # set by hooks when the request starts
 
 
 def context_or_none() -> RequestContext | None:
     """None only for a request that failed before its context was built."""
-    return g.get("context")
+    return cast(RequestContext | None, g.get("context"))
 
 
 def parts() -> Parts:
@@ -61,7 +61,7 @@ def note(served: Served) -> None:
 
 
 def served() -> Served | None:
-    return g.get("served")
+    return cast(Served | None, g.get("served"))
 
 
 def json_response(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:

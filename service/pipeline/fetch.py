@@ -270,7 +270,7 @@ def _retry_after(value: str | None) -> float | None:
 
 
 def _backoff(attempt: int) -> float:
-    return min(BACKOFF_CAP_S, BACKOFF_BASE_S * 2 ** attempt) * random.uniform(0.5, 1.5)
+    return float(min(BACKOFF_CAP_S, BACKOFF_BASE_S * 2 ** attempt) * random.uniform(0.5, 1.5))
 
 
 def _inflate(decoder: zlib._Decompress | None, chunk: bytes, size: int, cap: int) -> bytes:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -24,7 +24,7 @@ def probabilities(logits: np.ndarray) -> np.ndarray:
     """The softmax of one row of logits (float64: the top-k scores are rounded from these)."""
     z = logits.astype(np.float64) - float(np.max(logits))
     probs = np.exp(z)
-    return probs / probs.sum()
+    return cast(np.ndarray, probs / probs.sum())
 
 
 def top_k(logits: np.ndarray, k: int, labels: Sequence[str]) -> list[dict[str, Any]]:

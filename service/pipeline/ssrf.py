@@ -27,7 +27,7 @@ import socket
 from collections import namedtuple
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 from urllib.parse import urlsplit
 
 import requests.adapters
@@ -239,7 +239,7 @@ class _PinnedConnectionMixin:
                     sock.setsockopt(*option)
                 sock.settimeout(Timeout.resolve_default_timeout(conn.timeout))
                 sock.connect((ip, conn.port))
-                return sock
+                return cast(socket.socket, sock)
             except OSError as exc:
                 sock.close()
                 error = exc

@@ -249,7 +249,7 @@ def _timeout(value: Any) -> float | None:
         return None
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise invalid(f"parameter timeout must be a positive number of microseconds; got {value!r}")
-    return value / 1e6
+    return float(value) / 1e6
 
 
 def encode_outputs(call: InferCall, rows: Sequence[Row], labels: Sequence[str]) -> tuple[list[dict[str, Any]], list[bytes]]:
