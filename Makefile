@@ -6,11 +6,12 @@ BIN    := $(VENV)/bin
 TORCH_PINS := torch==2.14.1 torchvision==0.29.1
 STAMP  := $(VENV)/.installed
 
-.PHONY: serve test lint compare dtype gpu-wheels clean help readme nginx
+.PHONY: serve test test-fast lint compare dtype gpu-wheels clean help readme nginx
 
 help:
 	@echo "make serve    create .venv, install, start gunicorn -k gevent on \$$GREENSERVE_BIND (127.0.0.1:8000)"
 	@echo "make test     create .venv, install, run the test suite"
+	@echo "make test-fast  the unit tests only: no server, no real model (about a minute)"
 	@echo "make lint     ruff (lint + import order) and mypy on service/"
 	@echo "make compare  gevent vs asyncio on the seed's CLIP ViT-B/32 (QUICK=1 for a short resnet18 run; MODEL=resnet50)"
 	@echo "make dtype    float32 vs bfloat16, bare and served with GREENSERVE_DTYPE=auto/float32 (QUICK=1, MODEL=, DTYPES=auto,float32, BF16=1 adds a pinned bfloat16 server)"
@@ -29,6 +30,9 @@ serve: $(STAMP)
 
 test: $(STAMP) nginx
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -m "not e2e and not slow" $(PYTEST_ARGS)
 
 # A real nginx for tests/test_e2e_nginx.py (which skips without one): installed when missing, as root with
 # apt-get (nginx-light where the distribution still has it). A failed install only makes those tests skip.

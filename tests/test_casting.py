@@ -19,6 +19,8 @@ from service.engine.model import LoadedModel
 from service.engine.types import MIN_COSINE
 from service.pipeline import postprocess
 
+pytestmark = pytest.mark.slow  # real models: not in make test-fast
+
 BF16_CAST = Numerics(torch.bfloat16, cast=True)
 FAMILIES = ["resnet18", "timm:vit_tiny_patch16_224", "open_clip:ViT-B-32"]
 

@@ -40,6 +40,7 @@ def context(**kw: object) -> RequestContext:
     return RequestContext(**{"request_id": "rid-1", "started": time.monotonic(), **kw})  # type: ignore[arg-type]
 
 
+@pytest.mark.slow  # a fresh interpreter imports torch
 def test_the_data_plane_imports_no_flask() -> None:
     code = "import sys, service.http.dataplane; sys.exit('flask' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0

@@ -21,6 +21,8 @@ from service.pipeline.decode import configure_pillow, jpeg_for_device, open_chec
 from service.pipeline.orchestrate import checked_for_device, decode_and_crop
 from tests import images
 
+pytestmark = pytest.mark.slow  # real models: not in make test-fast
+
 CPU = torch.device("cpu")
 T = Transform(resize_size=256, crop_size=224)
 MAX_PIXELS = 40_000_000

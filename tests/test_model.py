@@ -15,6 +15,8 @@ from service.engine.loading import load_model
 from service.engine.torchvision_family import split_head
 from service.engine.types import ModelLoadError
 
+pytestmark = pytest.mark.slow  # real models: not in make test-fast
+
 NAME = "resnet18"
 
 

@@ -17,6 +17,8 @@ from service.engine.loading import load_model
 from service.engine.model import LoadedModel
 from service.engine.types import MIN_COSINE, ModelInfo, Tokens, Transform
 
+pytestmark = pytest.mark.slow  # real models: not in make test-fast
+
 AMX = frozenset({"avx2", "avx512f", "amx_bf16", "amx_tile"})
 ZEN4 = frozenset({"avx2", "avx512f", "avx512_bf16"})
 AVX2 = frozenset({"avx2", "fma"})

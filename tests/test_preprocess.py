@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from PIL import Image
 
 from service.engine.types import Transform
@@ -23,6 +24,7 @@ def test_matches_resize_then_center_crop() -> None:
     assert np.abs(ours - reference).mean() < 2.0  # same picture within a couple of grey levels
 
 
+@pytest.mark.slow  # many full-size photos
 def test_portrait_and_landscape_both_fill_the_crop() -> None:
     t = Transform(resize_size=256, crop_size=224)
     for size in ((3024, 4032), (4032, 3024), (50, 40)):

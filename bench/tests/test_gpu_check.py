@@ -253,6 +253,7 @@ def test_help_shows_the_device_command_line() -> None:
     assert "PYTHONUNBUFFERED=1 python3 -m bench.gpu_check --out $OUT/gpu --budget-s 500" in r.stdout
 
 
+@pytest.mark.slow  # a fresh interpreter imports torch
 def test_without_cuda_it_says_so_instead_of_a_traceback(tmp_path: Path) -> None:
     r = _module("--out", str(tmp_path), env={"CUDA_VISIBLE_DEVICES": ""})  # no device, even on a GPU machine
     assert r.returncode == 2 and "no CUDA device" in r.stderr and "Traceback" not in r.stderr + r.stdout
@@ -384,6 +385,7 @@ class cuda:
 '''
 
 
+@pytest.mark.slow  # allocates GBs
 def test_hog_fills_in_shrinking_chunks_and_frees_about_what_it_is_told(tmp_path: Path,
                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     (tmp_path / "torch").mkdir()
