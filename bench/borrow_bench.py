@@ -28,6 +28,7 @@ from bench.album import Photo, render
 from bench.keepalive import KeepAlive
 from bench.report import rows_table, start
 from harness.launch import ROOT, GunicornServer
+from harness.stats import percentile
 
 OUT = ROOT / "bench" / "out"
 SLOW_MS = 150.0
@@ -50,7 +51,7 @@ def closed_loop(port: int, body: bytes, clients: int, seconds: float) -> dict[st
     for t in threads:
         t.join()
     ms = sorted(x for one in lat for x in one)
-    p99 = ms[min(len(ms) - 1, int(0.99 * len(ms)))]
+    p99 = percentile(ms, 0.99) or 0.0
     return {"requests_per_s": round(len(ms) / seconds, 1), "p50_ms": round(statistics.median(ms), 1),
             "p99_ms": round(p99, 1), "over_150ms": sum(x > SLOW_MS for x in ms), "requests": len(ms)}
 

@@ -36,9 +36,10 @@ import requests
 from bench import bare
 from bench.album import Photo, render
 from bench.report import machine
-from harness.faults import IdleFlood, Load, SlowLoris, percentile, probe, worker_pid_answering
+from harness.faults import IdleFlood, Load, SlowLoris, probe, worker_pid_answering
 from harness.imagehost import ImageHost
 from harness.launch import ROOT, GunicornServer, free_port
+from harness.stats import percentile
 
 OUT = Path("bench/out")
 MODEL = "resnet18"
@@ -75,7 +76,8 @@ def under(srv: GunicornServer, names: list[str], fault: Any, seconds: float) -> 
             "healthz_ok": f"{len(health)}/{len(health) + health_failed}",
             # 30 probes: a p99 would be the single worst one, which is the probe that waited in the kernel's
             # accept queue behind the flood's burst; p50 / p90 / max and the count over 100 ms say more
-            "healthz_p50_p90_max_ms": [round(percentile(health, q) * 1000, 1) for q in (50, 90, 100)] if health else None,
+            "healthz_p50_p90_max_ms": [round((percentile(health, q) or 0.0) * 1000, 1) for q in (0.5, 0.9, 1.0)]
+            if health else None,
             "healthz_over_100ms": sum(h > 0.1 for h in health),
             "workers_answering_after": f"{len(after)}/{len(srv.worker_pids())}"}
 

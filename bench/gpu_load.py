@@ -8,7 +8,6 @@ requests in a short window is coarse; the client-side count is kept too (``serve
 
 from __future__ import annotations
 
-import math
 import os
 import re
 import statistics
@@ -21,6 +20,8 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import requests
+
+from harness.stats import percentile
 
 PROBE_PERIOD_S = 0.05
 
@@ -41,13 +42,6 @@ class Sampler(Protocol):
     def start(self) -> None: ...
 
     def stop(self) -> dict[str, Any]: ...
-
-
-def percentile(sorted_values: Sequence[float], q: float) -> float | None:
-    """Nearest-rank percentile of already sorted values; None for none."""
-    if not sorted_values:
-        return None
-    return sorted_values[max(0, min(len(sorted_values) - 1, math.ceil(q * len(sorted_values)) - 1))]
 
 
 def _ms(x: float | None) -> float | None:

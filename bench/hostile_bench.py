@@ -27,6 +27,7 @@ from bench import bare
 from bench.album import Photo, render
 from bench.report import rows_table, start
 from harness.launch import ROOT, GunicornServer
+from harness.stats import percentile
 
 OUT = ROOT / "bench" / "out"
 MB = 1 << 20
@@ -173,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
             ms = sorted(watch.health_ms)
             rows.append({"attack": name, "answer": ", ".join(sorted({f"{s} {c}" for s, c in answers})),
                          "s per attack": round(took, 2), "healthz p50 ms": round(statistics.median(ms), 1),
-                         "p99 ms": round(ms[min(len(ms) - 1, int(0.99 * len(ms)))], 1), "max ms": round(ms[-1], 1),
+                         "p99 ms": round(percentile(ms, 0.99) or 0.0, 1), "max ms": round(ms[-1], 1),
                          "probes": len(ms), "peak RSS over idle MB": round((watch.rss_peak - idle) / MB),
                          "same worker": srv.worker_pids() == {pid}})
             print(f"   {json.dumps(rows[-1])}", flush=True)

@@ -21,15 +21,10 @@ from typing import Any
 
 import requests
 
+from harness.stats import percentile
+
 HOST = "127.0.0.1"
 PARTIAL_REQUEST = b"GET /healthz HTTP/1.1\r\nHost: greenserve\r\nX-Slow: "
-
-
-def percentile(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(round(q / 100 * (len(ordered) - 1))))]
 
 
 class IdleFlood:
@@ -188,7 +183,7 @@ class Load:
                 "failed": len(outcomes) - len(ok),
                 "failures": sorted({f"{o.status} {o.code or o.error}" for o in outcomes if o.status != 200}),
                 "p50_s": round(statistics.median(ok), 3) if ok else None,
-                "p99_s": round(percentile(ok, 99), 3) if ok else None,
+                "p99_s": round(p99, 3) if (p99 := percentile(ok, 0.99)) is not None else None,
                 "max_s": round(max(ok), 3) if ok else None, "by_pid": pids}
 
 

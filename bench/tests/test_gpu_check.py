@@ -16,9 +16,10 @@ import pytest
 import requests
 
 from bench import album, gpu_check, gpu_plan, gpu_procs
-from bench.gpu_load import Done, error_code, parse_metric, percentile, summarise
+from bench.gpu_load import Done, error_code, parse_metric, summarise
 from bench.gpu_plan import Budget, Layout, Skip, Step, parse_layout, plan_rows, resolve, run_steps
 from harness.launch import ROOT
+from harness.stats import percentile
 
 
 class FakeClock:
