@@ -13,8 +13,8 @@ from flask import Response, current_app, g
 from service.http import dataplane
 from service.http.context import RequestContext
 from service.http.dataplane import Parts, Served
-from service.pipeline.inputs import InferenceRequest
 from service.pipeline.orchestrate import Rows
+from service.pipeline.requests import InferenceRequest
 
 
 def context() -> RequestContext:

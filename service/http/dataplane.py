@@ -20,8 +20,8 @@ from service.engine.types import ModelInfo
 from service.errors import NotFound, Overloaded, RequestError
 from service.http.connection import cancel_on_hang_up
 from service.http.context import RequestContext
-from service.pipeline.inputs import InferenceRequest
 from service.pipeline.orchestrate import Orchestrator, Rows
+from service.pipeline.requests import InferenceRequest
 from service.settings import Settings
 
 OFFLOAD_BODY_BYTES = 256 * 1024  # bodies above this are parsed in a decode thread, not on the hub

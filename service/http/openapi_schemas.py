@@ -12,7 +12,8 @@ from __future__ import annotations
 from typing import Any
 
 from service.http.protocols import openai
-from service.pipeline.inputs import DEFAULT_TOP_K, OPTION_FIELDS
+from service.pipeline.inputs import OPTION_FIELDS
+from service.pipeline.requests import DEFAULT_TOP_K
 from service.pipeline.text_options import DEFAULT_TEMPLATE, TASK_FIELDS
 from service.settings import Settings
 

@@ -14,8 +14,9 @@ from service.engine.types import ModelInfo
 from service.errors import RequestError, UnsupportedMediaType
 from service.http import current, dataplane
 from service.http.protocols import openai
-from service.pipeline.inputs import InferenceRequest, check_part_names, parse_doc, parse_form
+from service.pipeline.inputs import check_part_names, parse_doc, parse_form
 from service.pipeline.json_body import load_json
+from service.pipeline.requests import InferenceRequest
 from service.settings import Settings
 
 bp = Blueprint("routes", __name__)

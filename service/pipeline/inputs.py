@@ -11,41 +11,20 @@ import base64
 import binascii
 import re
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urljoin, urlsplit
 
 from service.errors import FetchError, ImageError, ImageTooLarge, NotAnImage, PayloadTooLarge, RequestError
 from service.pipeline.json_body import GIL_STEP, load_json
-from service.pipeline.text_options import TASK_FIELDS, TextOptions, parse_text_options
+from service.pipeline.requests import DEFAULT_TOP_K, ImageRef, InferenceRequest
+from service.pipeline.text_options import TASK_FIELDS, parse_text_options
 from service.settings import Settings
 
-DEFAULT_TOP_K = 5
 OPTION_FIELDS = ("top_k", "normalize", "partial")
 _DATA_URL_RE = re.compile(r"^data:(?P<mime>[\w.+-]+/[\w.+-]+)?(?P<params>(;[\w.+-]+=[\w.+-]+)*)"
                           r"(?P<b64>;base64)?,", re.IGNORECASE)
 _LABEL_MAX = 200
 TEXT_FORM_FIELDS = ("template", "query")  # form fields that stay strings
-
-@dataclass(frozen=True)
-class ImageRef:
-    """One image of a request: something to fetch (``url``), bytes in hand (``data``), or an ``error``."""
-
-    index: int
-    name: str
-    url: str | None = None
-    data: bytes | None = None
-    error: ImageError | None = None
-
-
-@dataclass(frozen=True)
-class InferenceRequest:
-    refs: tuple[ImageRef, ...]
-    top_k: int = DEFAULT_TOP_K
-    normalize: bool = True
-    partial: bool = False
-    text: TextOptions = TextOptions()
-
 
 def parse_json(body: bytes, settings: Settings, task: str = "embeddings") -> InferenceRequest:
     """``{"images": [...], "top_k": 5, "normalize": true, "partial": false}`` → request; ``task``'s text

@@ -35,8 +35,8 @@ from service.errors import DeadlineExceeded, ImageError, ImagesFailed, image_err
 from service.pipeline import postprocess
 from service.pipeline.decode import decode_image, decode_opened, jpeg_for_device, open_checked
 from service.pipeline.fetch import Fetcher
-from service.pipeline.inputs import ImageRef, InferenceRequest
 from service.pipeline.preprocess import preprocess
+from service.pipeline.requests import ImageRef, InferenceRequest
 from service.pipeline.text_encoder import TextEncoder
 
 log = logging.getLogger(__name__)

@@ -26,16 +26,9 @@ from service.errors import RequestError
 from service.http import current, dataplane
 from service.http.protocols.surface import Surface, flat_error_body
 from service.pipeline import postprocess
-from service.pipeline.inputs import (
-    ImageRef,
-    InferenceRequest,
-    base64_ref,
-    check_count,
-    is_reference,
-    request_options,
-    string_ref,
-)
+from service.pipeline.inputs import base64_ref, check_count, is_reference, request_options, string_ref
 from service.pipeline.json_body import load_json
+from service.pipeline.requests import ImageRef, InferenceRequest
 from service.settings import Settings
 
 bp = Blueprint("kserve_v1", __name__)

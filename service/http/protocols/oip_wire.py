@@ -21,16 +21,9 @@ import numpy as np
 from service.engine.batcher import Row
 from service.errors import RequestError
 from service.pipeline import postprocess
-from service.pipeline.inputs import (
-    ImageRef,
-    InferenceRequest,
-    base64_ref,
-    bytes_ref,
-    check_count,
-    is_reference,
-    string_ref,
-)
+from service.pipeline.inputs import base64_ref, bytes_ref, check_count, is_reference, string_ref
 from service.pipeline.json_body import load_json
+from service.pipeline.requests import ImageRef, InferenceRequest
 from service.settings import Settings
 
 INPUT = "IMAGE"

@@ -24,7 +24,8 @@ import numpy as np
 from service.engine.types import ModelInfo
 from service.errors import RequestError
 from service.http.dataplane import EMBEDDING_SUFFIX, task_for_model
-from service.pipeline.inputs import ImageRef, InferenceRequest, base64_ref, check_count, is_reference, string_ref
+from service.pipeline.inputs import base64_ref, check_count, is_reference, string_ref
+from service.pipeline.requests import ImageRef, InferenceRequest
 from service.pipeline.text_options import parse_text_options
 from service.settings import Settings
 

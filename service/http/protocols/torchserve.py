@@ -28,14 +28,8 @@ from service.http import current, dataplane
 from service.http.protocols import openai
 from service.http.protocols.surface import Surface
 from service.pipeline import postprocess
-from service.pipeline.inputs import (
-    InferenceRequest,
-    bytes_ref,
-    check_count,
-    check_part_names,
-    form_value,
-    request_options,
-)
+from service.pipeline.inputs import bytes_ref, check_count, check_part_names, form_value, request_options
+from service.pipeline.requests import InferenceRequest
 from service.settings import Settings
 
 bp = Blueprint("torchserve", __name__)
