@@ -4,14 +4,11 @@
     2. fetch     URLs on greenlets (bounded pool); data: URLs and uploads are already bytes
     3. decode    bytes → RGB → crop, in the decode thread pool (Pillow drops the GIL)
     4. infer     crop → micro-batcher → the one inference thread
-    5. post      rows → normalised embeddings / top-k labels / zero-shot scores / ranks, in request order
+    5. answer    rows → normalised embeddings / top-k labels / zero-shot scores / ranks, in request order,
+                 with each stage's timing (``answers``)
 
-Zero-shot labels and a rank query are embedded first (usually from the worker's cache: ``texts``); a
-texts-only request goes straight to the text tower (``run_texts``).
-
-``timings_ms`` holds, per stage, the wall-clock span from its first start to its last end for this
-request; stages overlap (image 2 is fetched while image 1 is decoded), so they need not add up to
-``total``.
+Zero-shot labels and a rank query are embedded first (usually from the worker's cache: ``text_encoder``);
+a texts-only request goes straight to the text tower (``run_texts``).
 """
 
 from __future__ import annotations
@@ -19,7 +16,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import gevent
@@ -31,8 +28,9 @@ from service.engine.device_decode import DeviceDecodeFailed, EncodedJpeg
 from service.engine.runner import Runner
 from service.engine.scheduling import Admission
 from service.engine.types import ModelInfo, Transform
-from service.errors import DeadlineExceeded, ImageError, ImagesFailed, image_error_item
-from service.pipeline import postprocess
+from service.errors import DeadlineExceeded, ImageError, ImagesFailed
+from service.pipeline import answers
+from service.pipeline.answers import Spans
 from service.pipeline.decode import decode_image, decode_opened, jpeg_for_device, open_checked
 from service.pipeline.fetch import Fetcher
 from service.pipeline.preprocess import preprocess
@@ -40,22 +38,6 @@ from service.pipeline.requests import ImageRef, InferenceRequest
 from service.pipeline.text_encoder import TextEncoder
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class _Spans:
-    """First start and last end of each stage (monotonic seconds)."""
-
-    spans: dict[str, list[float]] = field(default_factory=dict)
-    started: float = field(default_factory=time.monotonic)  # the request's arrival (its Admission.arrived)
-
-    def add(self, stage: str, start: float, end: float) -> None:
-        s = self.spans.setdefault(stage, [start, end])
-        s[0], s[1] = min(s[0], start), max(s[1], end)
-
-    def ms(self, stage: str) -> float:
-        s = self.spans.get(stage)
-        return round((s[1] - s[0]) * 1000, 1) if s else 0.0
 
 
 # Texts take the worker's queue slots (GREENSERVE_MAX_QUEUE_IMAGES) at this many per slot: a CLIP text of
@@ -87,7 +69,7 @@ class _Work:
 
     admission: Admission
     info: ModelInfo
-    spans: _Spans
+    spans: Spans
     outcomes: dict[int, Row | ImageError]
     deadline: float
     request: gevent.Greenlet  # the greenlet running the request: ``abort`` interrupts it where it waits
@@ -141,11 +123,11 @@ class Orchestrator:
         info, outcomes, spans, _ = self._collect(req, deadline, request_id)
         rows = tuple(row for ref in req.refs if isinstance(row := outcomes[ref.index], Row))
         assert len(rows) == len(req.refs)  # not partial: a failure raised ImagesFailed
-        return Rows(info, rows, _timings(spans, texts=False))
+        return Rows(info, rows, spans.timings(texts=False))
 
     def _collect(self, req: InferenceRequest, deadline: float, request_id: str
-                 ) -> tuple[ModelInfo, dict[int, Row | ImageError], _Spans, np.ndarray | None]:
-        spans = _Spans()
+                 ) -> tuple[ModelInfo, dict[int, Row | ImageError], Spans, np.ndarray | None]:
+        spans = Spans()
         outcomes: dict[int, Row | ImageError] = {r.index: r.error for r in req.refs if r.error is not None}
         if outcomes and not req.partial:
             self._fail(req, outcomes)  # refused at parsing: no work is worth starting
@@ -169,19 +151,12 @@ class Orchestrator:
 
     def run_texts(self, req: InferenceRequest, *, deadline: float) -> dict[str, Any]:
         """Text embeddings: ``{"data": [{"index", "embedding", "tokens", "truncated"}], ...}``."""
-        spans = _Spans()
+        spans = Spans()
         texts = req.text.texts
         with self.runner.admit(text_slots(len(texts)), coming=0, arrived=spans.started) as admission:
             with _deadline_timeout(deadline, "texts"):
                 rows = self.texts.encode(texts, deadline=deadline, admission=admission, truncate=req.text.truncate)
-        data = [{"index": i, "embedding": postprocess.embedding(r.embedding, normalize=req.normalize),
-                 "tokens": r.tokens, "truncated": r.truncated} for i, r in enumerate(rows)]
-        now = time.monotonic()
-        inference = max(r.inference_s for r in rows)
-        queue = max(r.queue_s for r in rows)
-        return {"data": data, "errors": [], "timings_ms": {
-            "queue": round(queue * 1000, 1), "inference": round(inference * 1000, 1),
-            "total": round((now - spans.started) * 1000, 1)}}
+        return answers.texts(req, rows, spans)
 
     def _process(self, req: InferenceRequest, work: _Work, request_id: str) -> None:
         group = gevent.pool.Group()
@@ -255,42 +230,11 @@ class Orchestrator:
         return failures
 
     def _respond(self, req: InferenceRequest, task: str, info: ModelInfo, outcomes: dict[int, Row | ImageError],
-                 spans: _Spans, prompts: np.ndarray | None) -> dict[str, Any]:
-        failures = self._report_failures(req, outcomes)
-        data = []
-        for ref in req.refs:
-            row = outcomes.get(ref.index)
-            if isinstance(row, Row):
-                data.append({"index": ref.index, "image": ref.name, **_result(req, task, info, row, prompts)})
-        if task == "rank":  # best first; ties keep request order
-            data = sorted(data, key=lambda item: -item["score"])[:req.top_k]
-        return {"data": data, "errors": [image_error_item(i, name, err) for i, name, err in failures],
-                "timings_ms": _timings(spans, texts=prompts is not None)}
-
-
-def _timings(spans: _Spans, *, texts: bool) -> dict[str, float]:
-    timings = {stage: spans.ms(stage) for stage in ("text", "fetch", "decode", "queue", "inference")
-               if stage != "text" or texts}
-    timings["total"] = round((time.monotonic() - spans.started) * 1000, 1)
-    return timings
+                 spans: Spans, prompts: np.ndarray | None) -> dict[str, Any]:
+        return answers.images(req, task, info, outcomes, self._report_failures(req, outcomes), spans, prompts)
 
 
 def _deadline_timeout(deadline: float, what: str) -> gevent.Timeout:
     """Raises ``DeadlineExceeded`` in the request's greenlet where it waits, once ``deadline`` passes."""
     return gevent.Timeout(max(0.0, deadline - time.monotonic()), DeadlineExceeded(
         f"the request deadline passed; retry with fewer {what} or a longer X-Request-Timeout"))
-
-
-def _result(req: InferenceRequest, task: str, info: ModelInfo, row: Row, prompts: np.ndarray | None) -> dict[str, Any]:
-    """One image's answer for ``task``."""
-    if task == "embeddings":
-        assert row.features is not None  # the api refuses embeddings from a model without them
-        return {"embedding": postprocess.embedding(row.features, normalize=req.normalize)}
-    if prompts is None:  # a classifier's own labels
-        assert row.logits is not None
-        return {"labels": postprocess.top_k(row.logits, req.top_k, info.labels)}
-    assert row.features is not None
-    if task == "rank":
-        return {"score": postprocess.cosine(row.features, prompts[0])}
-    return {"labels": postprocess.zero_shot(row.features, prompts, req.top_k, req.text.labels,
-                                            scale=info.logit_scale, bias=info.logit_bias)}
