@@ -67,12 +67,15 @@ def test_readme_python_client_embeds_and_raises_on_a_bad_image(server: GunicornS
     client: dict[str, Any] = {}
     exec(match.group(1), client)  # the example as a user would paste it
     url = server.url + "/v1/embeddings"
-    rows = client["embed"]([image_host.url("img001.jpg"), image_host.url("img002.jpg")], url=url)
-    assert len(rows) == 2 and len(rows[0]) == 512 and rows[0] != rows[1]  # resnet18 embeddings
-    with pytest.raises(requests.HTTPError) as raised:
-        client["embed"]([image_host.url("truncated.jpg")], url=url)
-    assert raised.value.response.status_code == 422
-    assert raised.value.response.json()["error"]["code"] == "truncated_image"
+    try:
+        rows = client["embed"]([image_host.url("img001.jpg"), image_host.url("img002.jpg")], url=url)
+        assert len(rows) == 2 and len(rows[0]) == 512 and rows[0] != rows[1]  # resnet18 embeddings
+        with pytest.raises(requests.HTTPError) as raised:
+            client["embed"]([image_host.url("truncated.jpg")], url=url)
+        assert raised.value.response.status_code == 422
+        assert raised.value.response.json()["error"]["code"] == "truncated_image"
+    finally:
+        client["session"].close()  # the example's process-wide session: closed here, not by a late GC
 
 
 @pytest.mark.parametrize("doc", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
