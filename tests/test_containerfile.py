@@ -1,6 +1,6 @@
 """The Containerfile, read statically: multi-stage, the Makefile's torch pins, a fixed non-root uid that
 deploy/k8s names too, no download at start, HEALTHCHECK on /healthz, gunicorn as the entrypoint. Building
-it needs a container engine and the network (README, "The container image" says how it was verified)."""
+it needs a container engine and the network (deploy/README.md, "The container image", says how it was verified)."""
 
 from __future__ import annotations
 

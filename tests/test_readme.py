@@ -60,6 +60,7 @@ def test_readme_names_the_two_commands() -> None:
     assert "make serve" in readme and "make test" in readme
 
 
+@pytest.mark.e2e  # a real server: not in make test-fast
 def test_readme_python_client_embeds_and_raises_on_a_bad_image(server: GunicornServer,
                                                                 image_host: ImageHost) -> None:
     match = PYTHON_CLIENT.search((ROOT / "README.md").read_text())

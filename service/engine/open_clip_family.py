@@ -158,7 +158,7 @@ def _from_tag(arch: str, tag: str, path: str | None) -> tuple[nn.Module, str, di
     if path is None:
         raise ModelLoadError(f"open_clip:{arch} pretrained {tag!r} is not in the local cache; run "
                              f"`greenserve download-weights open_clip:{arch} --pretrained {tag}` on a machine "
-                             "with internet and copy the cache over (README: offline weights)")
+                             "with internet and copy the cache over (docs/MODELS.md: offline weights)")
     return _from_file(arch, path, tag_cfg), tag, tag_cfg
 
 
