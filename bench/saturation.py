@@ -1,4 +1,4 @@
-"""CLIP saturation in the steady state: ``python -m bench.saturation [--model M] [--rounds 3] [--seconds 45]``.
+"""CLIP saturation in the steady state: ``python -m bench.saturation [--model M] [--rounds 3] [--seconds 45] [--root R]...``.
 
 ``make compare``'s saturation step is an open loop of 15 s: six albums, so its served images/s includes the
 first album's fill (fetch and decode before the first forward) and the last album's tail, when at most one
@@ -7,7 +7,8 @@ layouts (1 worker x all cores, a worker per core; float32 pinned, as the bare ru
 once; then rounds, each one: the bare pipeline in both layouts (``bench.bare``), and each server under a
 closed loop of ``2 x workers + 1`` clients posting the album (URLs on the local image host) for
 ``--seconds``, in rotating order. Served images/s counts only the albums that finished after every client's
-first (the steady window) and is quoted against the best bare layout of the same round.
+first (the steady window) and is quoted against the best bare layout of the same round. ``--root`` twice
+(an earlier commit's worktree, then this checkout) runs both commits' servers side by side, in turn.
 
 Prints the command, the machine and a table; writes bench/out/saturation.json.
 """
@@ -21,6 +22,7 @@ import os
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 from bench import bare
@@ -64,7 +66,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default="open_clip:ViT-B-32")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--seconds", type=float, default=45.0, help="per server and round")
+    parser.add_argument("--root", type=Path, action="append", help="a checkout whose greenserve runs beside "
+                        "the others (repeat it: an earlier commit's worktree and this one, measured in turn)")
     args = parser.parse_args(argv)
+    roots = args.root or [ROOT]
     info = start("bench.saturation", args.model, argv)
     cores = info["cores"]
     blobs = load_album(ensure_album(DEFAULT_DIR))
@@ -75,11 +80,13 @@ def main(argv: list[str] | None = None) -> int:
     rounds: list[dict[str, Any]] = []
     with ImageHost(blobs) as host, contextlib.ExitStack() as stack:
         servers = {}
-        for workers, threads in layouts:
-            env = {"GREENSERVE_MODEL": args.model, "GREENSERVE_WEIGHTS": str(weights),
-                   "GREENSERVE_IMAGE_BASE_URL": host.base_url, "GREENSERVE_TORCH_THREADS": str(threads), **LIMITS}
-            servers[f"greenserve {workers}x{threads}"] = (workers, stack.enter_context(
-                GunicornServer(env, workers=workers, ready_timeout_s=300)))
+        for root in roots:
+            for workers, threads in layouts:
+                env = {"GREENSERVE_MODEL": args.model, "GREENSERVE_WEIGHTS": str(weights),
+                       "GREENSERVE_IMAGE_BASE_URL": host.base_url, "GREENSERVE_TORCH_THREADS": str(threads), **LIMITS}
+                where = "" if len(roots) == 1 else f" ({root.resolve().name})"
+                servers[f"greenserve {workers}x{threads}{where}"] = (workers, stack.enter_context(
+                    GunicornServer(env, workers=workers, ready_timeout_s=300, cwd=root)))
         for _, srv in servers.values():
             steady(srv.port, body, 1, 0.1, len(names))  # warm: the album's shapes once
         for r in range(args.rounds):
