@@ -73,19 +73,19 @@ def load_json(body: bytes, example: str = '{"images": ["https://.../a.jpg"]}') -
     return _restore(doc, held) if held else doc
 
 
-def count(body: bytes, byte: bytes) -> int:
+def _count(body: bytes, byte: bytes) -> int:
     """``body.count(byte)`` in ``GIL_STEP`` steps (one call over 60 MB held the GIL 55 ms)."""
     return sum(body.count(byte, i, i + GIL_STEP) for i in range(0, len(body), GIL_STEP))
 
 
 def _check_counts(body: bytes) -> int:
     """The body's items (arrays, objects and commas), within the bounds."""
-    containers = count(body, b"[") + count(body, b"{")
+    containers = _count(body, b"[") + _count(body, b"{")
     if containers > MAX_JSON_CONTAINERS:
         raise PayloadTooLarge(f"the JSON body has {containers:,} arrays and objects; a request needs a few "
                               f"(at most {MAX_JSON_CONTAINERS:,}): send images as strings in one list",
                               code="json_too_complex")
-    items = count(body, b",")
+    items = _count(body, b",")
     if items > MAX_JSON_ITEMS:
         raise PayloadTooLarge(f"the JSON body has {items:,} commas, more than any request within the limits "
                               f"({MAX_JSON_ITEMS:,}); send fewer items per request", code="json_too_complex")
