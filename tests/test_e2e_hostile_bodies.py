@@ -7,14 +7,18 @@ from __future__ import annotations
 import base64
 import gzip
 import json
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import requests
 
 from harness.imagehost import ImageHost
 from harness.launch import GunicornServer
+from service.pipeline.json_body import LONG, MAX_SKELETON
+from service.settings import Settings
 from tests import images
-from tests.conftest import E2E_MODEL, GUARD_TOKEN
+from tests.conftest import E2E_MODEL, GUARD_TOKEN, e2e_env
 from tests.test_e2e_protocol_refusals import code_of
 
 pytestmark = pytest.mark.e2e
@@ -82,6 +86,8 @@ def hostile(url: str) -> list[tuple[str, requests.Response, int, str]]:
         ("a 1 MB string with an escape", post(f"{url}/v1/embeddings", headers=JSON, timeout=TIMEOUT, data=(
             b'{"images": ["img000.jpg"], "x": "' + b"a" * 500_000 + b"\\n" + b"a" * 500_000 + b'"}')),
          400, "invalid_json"),
+        ("a 1 MB string that is not UTF-8", post(f"{url}/v1/embeddings", headers=JSON, timeout=TIMEOUT, data=(
+            b'{"images": ["img000.jpg"], "x": "' + b"\xff" * 1_000_000 + b'"}')), 400, "invalid_json"),
         ("a 1 MB data: URL among 30,000 items", post(f"{url}/v1/classify", headers=JSON, timeout=TIMEOUT, data=(
             json.dumps({"images": ["data:image/jpeg;base64," + "A" * 1_000_000], "x": [1] * 30_000}).encode())),
          413, "json_too_complex"),
@@ -108,6 +114,25 @@ def test_hostile_bodies_get_their_codes_and_the_workers_answer_after(server: Gun
     ok = requests.post(f"{server.url}/v1/embeddings", json={"images": ["img000.jpg"]}, timeout=TIMEOUT)
     assert ok.status_code == 200 and int(ok.headers["X-Worker-PID"]) in pids
     assert "Traceback" not in server.log() and "RecursionError" not in server.log()
+
+
+@pytest.fixture(scope="module")
+def default_cap(weights_file: Path, image_host: ImageHost) -> Iterator[GunicornServer]:
+    """One worker at the default body cap (64 MiB): the e2e servers' 8 MiB cannot reach the skeleton's bound."""
+    env = e2e_env(weights_file, image_host, GREENSERVE_MAX_BODY_BYTES=str(Settings().max_body_bytes))
+    with GunicornServer(env, workers=1) as srv:
+        yield srv
+
+
+def test_a_body_of_strings_just_short_of_long_is_413_and_the_worker_answers_after(default_cap: GunicornServer
+                                                                                  ) -> None:
+    pids = default_cap.worker_pids()
+    body = json.dumps({"images": ["img000.jpg"], "x": ["a" * (LONG - 1)] * (MAX_SKELETON // LONG + 1)}).encode()
+    r = requests.post(f"{default_cap.url}/v1/embeddings", data=body, headers=JSON, timeout=TIMEOUT)
+    assert (r.status_code, code_of(r)) == (413, "json_too_complex"), r.text[:300]
+    assert int(r.headers["X-Worker-PID"]) in pids and default_cap.healthz_pids() == pids
+    ok = requests.post(f"{default_cap.url}/v1/embeddings", json={"images": ["img000.jpg"]}, timeout=TIMEOUT)
+    assert ok.status_code == 200 and int(ok.headers["X-Worker-PID"]) in pids
 
 
 def test_long_data_urls_with_escaped_slashes_embed_as_the_plain_ones_on_every_json_route(server: GunicornServer
