@@ -21,6 +21,7 @@ from service.engine.loading import load_for_worker
 from service.engine.runner import Model, Runner
 from service.http import hooks, openapi, protocols, routes
 from service.http.connection import guard_body, werkzeug_limits
+from service.pipeline import device_decode
 from service.pipeline.decode import configure_pillow
 from service.pipeline.fetch import Fetcher, HttpFetcher
 from service.pipeline.orchestrate import Orchestrator
@@ -39,7 +40,7 @@ def create_app(settings: Settings | None = None, *, model: Model | None = None,
     configure_pillow(settings.max_image_pixels)
     balance = balance or Balance(None, Policy.from_settings(settings))
     runner = Runner(settings, model=model, siblings=balance,
-                    loader=None if model else functools.partial(load_for_worker, settings, balance.slot))
+                    loader=None if model else functools.partial(load_for_worker, settings, balance.slot, device_decode))
     texts = TextEncoder(runner, settings.label_cache_size)
     orchestrator = Orchestrator(runner, fetcher or HttpFetcher(settings), texts, max_pixels=settings.max_image_pixels,
                                 on_image_error=lambda err: metrics.IMAGE_ERRORS.labels(err.code).inc())

@@ -12,11 +12,10 @@ import pytest
 import torch
 from PIL import Image, ImageOps
 
-from service.engine import device_decode
-from service.engine.device_decode import EncodedJpeg
 from service.engine.loading import load_model
-from service.engine.types import Transform
+from service.engine.types import EncodedJpeg, Transform
 from service.errors import ImageTooLarge, NotAnImage, UnsupportedImage
+from service.pipeline import device_decode
 from service.pipeline.decode import configure_pillow, jpeg_for_device, open_checked
 from service.pipeline.orchestrate import checked_for_device, decode_and_crop
 from tests import images
@@ -117,6 +116,7 @@ def test_the_mode_follows_the_setting_the_device_and_the_filter() -> None:
 def test_a_real_models_mixed_batch_matches_the_pillow_path_row_by_row() -> None:
     torch.manual_seed(0)
     model = load_model("resnet18", "random")
+    model.decoder = device_decode
     t = model.info.transform
     blobs = [images.jpeg(640 + 64 * i, 480, seed=i) for i in range(3)]
     png = images.encode(images.photo(300, 200, seed=9), "PNG")
@@ -152,7 +152,7 @@ def test_over_http_a_jpeg_the_device_refuses_is_served_through_pillow(monkeypatc
     monkeypatch.setattr(device_decode, "_decode", picky)
     torch.manual_seed(0)
     model = load_model("resnet18", "random")
-    model.info = dataclasses.replace(model.info, jpeg_decode="device")
+    model.info, model.decoder = dataclasses.replace(model.info, jpeg_decode="device"), device_decode
     settings = Settings(image_base_url=base, workers=1)
     fetcher = FakeFetcher({base + name: blob for name, blob in blobs.items()})
     client = create_app(settings, model=model, fetcher=fetcher).test_client()

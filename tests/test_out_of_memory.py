@@ -117,7 +117,7 @@ def test_over_http_the_hopeless_image_is_503_with_retry_after_and_the_worker_ans
 
 
 def test_decoding_on_the_device_out_of_memory_splits_the_batch_too(monkeypatch: pytest.MonkeyPatch) -> None:
-    from service.engine import device_decode
+    from service.pipeline import device_decode
     from service.pipeline.decode import configure_pillow, jpeg_for_device, open_checked
     from tests import images
 
@@ -132,6 +132,7 @@ def test_decoding_on_the_device_out_of_memory_splits_the_batch_too(monkeypatch: 
 
     monkeypatch.setattr(device_decode, "_decode", tight)
     model = loaded(Greedy(fits=99))
+    model.decoder = device_decode
     blobs = [images.jpeg(64, 48, seed=i) for i in range(4)]
     jpegs = [jpeg_for_device(open_checked(b, 10**6), b) for b in blobs]
     b = Batcher(lambda batch: Outputs(*model.forward_items(batch)), ThreadPool(1), max_batch=4, max_wait_s=0.05)

@@ -80,7 +80,7 @@ _Outcome = tuple[np.ndarray | None, np.ndarray | None] | Exception
 
 @dataclass
 class _Item:
-    pixels: Any  # a crop (H, W, 3), token ids, or a JPEG for the device (``device_decode.EncodedJpeg``)
+    pixels: Any  # a crop (H, W, 3), token ids, or a JPEG for the device (``types.EncodedJpeg``)
     deadline: float | None
     admission: Admission | None = None
     rank: tuple[float, int] = (0.0, 0)  # (the request's arrival, the image's submission order)

@@ -13,14 +13,16 @@ from __future__ import annotations
 
 import importlib
 import logging
+import time
 from dataclasses import replace
 
+import numpy as np
 import torch
 
-from service.engine import device_decode, precision
+from service.engine import precision
 from service.engine.casting import FLOAT32, Numerics, dtype_name
 from service.engine.model import LoadedModel
-from service.engine.types import ModelLoadError
+from service.engine.types import DeviceDecoder, ModelLoadError
 from service.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -46,16 +48,33 @@ def load_model(name: str, weights: str, *, device: torch.device | None = None, c
                numerics: Numerics = FLOAT32) -> LoadedModel:
     """Load ``name`` (``GREENSERVE_MODEL``) with ``weights`` (``GREENSERVE_WEIGHTS``) through its family, every
     tower in ``numerics`` (``precision.settle`` chooses per tower instead)."""
+    started = time.perf_counter()
     family, arch = parse_model_name(name)
     device = device or torch.device("cpu")
     loader = importlib.import_module(FAMILY_MODULES[family])
     extra = {} if family == "open_clip" else {"channels_last": channels_last}  # CLIP's ViTs: no convolutions
     model: LoadedModel = loader.load(arch, weights, device=device, **extra)
+    _describe(model, started)
     if numerics != FLOAT32:
         for tower in model.towers:
             model.set_numerics(tower, numerics)
         model.info = replace(model.info, dtype=dtype_name(numerics.dtype))
     return model
+
+
+def _describe(model: LoadedModel, started: float) -> None:
+    """The tail every family shares: one probe forward (first-call allocations paid here) tells the
+    embedding width, whether the image tower gives features at all (a TorchScript classifier: logits only)
+    and the head's width, which names the classes when the family's list does not match."""
+    crop = model.info.transform.crop_size
+    feats, logits = model.forward(np.zeros((1, crop, crop, 3), np.uint8))
+    info = model.info
+    tasks = info.tasks if feats is not None else tuple(t for t in info.tasks if t != "embeddings")
+    labels = info.labels
+    if logits is not None and logits.shape[1] != len(labels):
+        labels = tuple(f"class_{i}" for i in range(logits.shape[1]))
+    model.info = replace(info, tasks=tasks, labels=labels, embedding_dim=None if feats is None else feats.shape[1],
+                         load_seconds=time.perf_counter() - started)
 
 
 def resolve_device(device: str, worker_ordinal: int = 0) -> torch.device:
@@ -71,9 +90,10 @@ def resolve_device(device: str, worker_ordinal: int = 0) -> torch.device:
     return torch.device("cpu")
 
 
-def load_for_worker(settings: Settings, slot: int) -> LoadedModel:
-    """The worker's model as configured: its device, its numerics settled, where its JPEGs decode. Runs in
-    the worker's inference thread, after fork: the first torch op of this process."""
+def load_for_worker(settings: Settings, slot: int, decoder: DeviceDecoder) -> LoadedModel:
+    """The worker's model as configured: its device, its numerics settled, where its JPEGs decode (on the
+    device through ``decoder`` when it can). Runs in the worker's inference thread, after fork: the first
+    torch op of this process."""
     torch.set_num_threads(settings.torch_threads_per_worker())
     device = resolve_device(settings.device, slot)
     log.info("loading %s (weights=%s) on %s with %d torch thread(s)", settings.model, settings.weights,
@@ -83,7 +103,8 @@ def load_for_worker(settings: Settings, slot: int) -> LoadedModel:
     precision.settle(model, settings.dtype, cpu_bf16=settings.cpu_bf16,
                      image_sizes=precision.batch_sizes(settings.max_batch),
                      text_sizes=precision.batch_sizes(settings.max_text_batch))
-    on_device, why = device_decode.usable(settings.jpeg_decode, device, model.info.transform)
+    on_device, why = decoder.usable(settings.jpeg_decode, device, model.info.transform)
+    model.decoder = decoder if on_device else None
     model.info = replace(model.info, jpeg_decode="device" if on_device else "pillow")
     log.info("JPEG decoding: %s (%s)", model.info.jpeg_decode, why)
     return model

@@ -15,10 +15,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from service.engine import device_decode
 from service.engine.casting import FLOAT32, Numerics, TowerCast
-from service.engine.device_decode import EncodedJpeg
-from service.engine.types import ModelInfo, Tokens
+from service.engine.types import DeviceDecoder, EncodedJpeg, ModelInfo, Tokens
 from service.errors import OutOfMemory
 
 log = logging.getLogger(__name__)
@@ -49,6 +47,7 @@ class LoadedModel:
     channels_last: bool = True
     text: TextTower | None = None
     features_only: bool = False
+    decoder: DeviceDecoder | None = None  # set when JPEGs decode on the device (``info.jpeg_decode``)
     # what each tower casts for "cast once": its root module and the names under it that are not its own
     # (CLIP's towers share one module; ``open_clip_family`` says which half is which)
     tower_roots: dict[str, tuple[nn.Module, tuple[str, ...]]] = field(default_factory=dict)
@@ -99,7 +98,7 @@ class LoadedModel:
 
     def forward_items(self, items: Sequence[np.ndarray | EncodedJpeg]
                       ) -> tuple[torch.Tensor | None, torch.Tensor | None, dict[int, Exception]]:
-        """One batch mixing Pillow's crops (H, W, 3) and JPEGs to decode on the device (``device_decode``):
+        """One batch mixing Pillow's crops (H, W, 3) and JPEGs to decode on the device (``decoder``):
         rows in item order, zeros for the items in the third value, which the device could not decode."""
         with torch.inference_mode():
             return self._guarded(lambda: self._forward_items(items))
@@ -107,8 +106,13 @@ class LoadedModel:
     def _forward_items(self, items: Sequence[np.ndarray | EncodedJpeg]
                        ) -> tuple[torch.Tensor | None, torch.Tensor | None, dict[int, Exception]]:
         at = [i for i, item in enumerate(items) if isinstance(item, EncodedJpeg)]
-        decoded, failed = device_decode.crops([cast(EncodedJpeg, items[i]) for i in at], self.info.transform,
-                                              self.device)
+        decoded: list[torch.Tensor | None] = []
+        failed: dict[int, Exception] = {}
+        if at:
+            if self.decoder is None:
+                raise RuntimeError("JPEGs for the device, but the model has no device decoder")
+            decoded, failed = self.decoder.crops([cast(EncodedJpeg, items[i]) for i in at], self.info.transform,
+                                                 self.device)
         chw: list[torch.Tensor | None] = [None] * len(items)
         for k, i in enumerate(at):
             chw[i] = decoded[k]

@@ -9,10 +9,8 @@ share one copy from the page cache.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
-import time
 from collections.abc import Sequence
 from typing import Any, cast
 
@@ -101,7 +99,6 @@ class ClipText:
 
 
 def load(arch: str, weights: str, *, device: torch.device) -> LoadedModel:
-    started = time.perf_counter()
     if arch not in architectures():
         raise ModelLoadError(f"GREENSERVE_MODEL=open_clip:{arch} is not an open_clip architecture; try "
                              "ViT-B-32, ViT-B-16, ViT-L-14, ViT-B-16-SigLIP (`greenserve models`)")
@@ -115,12 +112,8 @@ def load(arch: str, weights: str, *, device: torch.device) -> LoadedModel:
                      family="open_clip", towers=("image", "text"), context_length=text.context_length,
                      logit_scale=scale, logit_bias=bias)
     # channels_last does nothing for a ViT (one patchifying conv, then matmuls): measured in BENCHMARKS
-    model = LoadedModel(info=info, module=ImageTower(clip), device=device, channels_last=False,
-                        text=text, features_only=True, tower_roots=tower_roots(clip))
-    feats, _ = model.forward(np.zeros((1, transform.crop_size, transform.crop_size, 3), np.uint8))
-    assert feats is not None
-    model.info = dataclasses.replace(info, embedding_dim=feats.shape[1], load_seconds=time.perf_counter() - started)
-    return model
+    return LoadedModel(info=info, module=ImageTower(clip), device=device, channels_last=False,
+                       text=text, features_only=True, tower_roots=tower_roots(clip))
 
 
 def tower_roots(clip: nn.Module) -> dict[str, tuple[nn.Module, tuple[str, ...]]]:

@@ -28,9 +28,8 @@ from gevent.threadpool import ThreadPool
 from service import metrics
 from service.engine.batcher import Batcher, Outputs
 from service.engine.cores import CorePlan, Siblings, lower_priority
-from service.engine.device_decode import EncodedJpeg
 from service.engine.scheduling import Admission, Gather, Rank, Scheduler
-from service.engine.types import ModelInfo, Tokens
+from service.engine.types import EncodedJpeg, ModelInfo, Tokens
 from service.errors import GreenserveError
 from service.settings import Settings
 

@@ -7,14 +7,11 @@ the meta device, shared by the workers), or timm's pretrained file found in the 
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 import os
-import time
 from typing import Any
 
-import numpy as np
 import timm
 import torch
 from torch import nn
@@ -42,7 +39,6 @@ class Backbone(nn.Module):
 
 
 def load(name: str, weights: str, *, device: torch.device, channels_last: bool = True) -> LoadedModel:
-    started = time.perf_counter()
     if name not in timm.list_models():
         raise ModelLoadError(f"GREENSERVE_MODEL=timm:{name} is not a timm model; try timm:resnet50, "
                              "timm:convnext_tiny, timm:vit_base_patch16_224")
@@ -55,11 +51,7 @@ def load(name: str, weights: str, *, device: torch.device, channels_last: bool =
     labels = _labels(n_classes)
     info = ModelInfo(f"timm:{name}", ("embeddings", "classify"), None, labels, str(device), "float32", source,
                      transform, format="timm", family="timm")
-    model = LoadedModel(info=info, module=Backbone(net), device=device, channels_last=channels_last)
-    feats, _ = model.forward(np.zeros((1, transform.crop_size, transform.crop_size, 3), np.uint8))
-    assert feats is not None
-    model.info = dataclasses.replace(info, embedding_dim=feats.shape[1], load_seconds=time.perf_counter() - started)
-    return model
+    return LoadedModel(info=info, module=Backbone(net), device=device, channels_last=channels_last)
 
 
 def _build(name: str, weights: str) -> tuple[nn.Module, str]:

@@ -6,15 +6,12 @@ classifier head's logits.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
-import time
 import warnings
 import zipfile
 from typing import Any, cast
 
-import numpy as np
 import torch
 import torchvision
 from torch import nn
@@ -69,7 +66,6 @@ def _module_for(name: str, weights: str, device: torch.device) -> tuple[nn.Modul
 
 def load(name: str, weights: str, *, device: torch.device, channels_last: bool = True) -> LoadedModel:
     """Load ``name`` with ``weights`` = auto | imagenet | random | path (state dict or TorchScript)."""
-    started = time.perf_counter()
     if name not in classification_models():
         raise ModelLoadError(f"GREENSERVE_MODEL={name!r} is not a torchvision classification model; try "
                              "resnet50, resnet18, efficientnet_b0, convnext_tiny, vit_b_16, or open_clip:ViT-B-32")
@@ -90,16 +86,11 @@ def load(name: str, weights: str, *, device: torch.device, channels_last: bool =
                      "`greenserve export` writes a checkpoint that is shared instead", name)
         # a no-op (no private copy) when the checkpoint was exported in channels_last already
         module = module.to(memory_format=torch.channels_last)
-    info = ModelInfo(name, (), None, labels, str(device), "float32", source, transform, format=fmt)
-    model = LoadedModel(info=info, module=module, device=device, channels_last=channels_last)
-    feats, logits = model.forward(np.zeros((1, transform.crop_size, transform.crop_size, 3), np.uint8))
-    assert logits is not None  # every torchvision classifier has its head
-    if logits.shape[1] != len(labels):
-        labels = tuple(f"class_{i}" for i in range(logits.shape[1]))
-    tasks = ("embeddings", "classify") if feats is not None else ("classify",)
-    model.info = dataclasses.replace(info, tasks=tasks, embedding_dim=None if feats is None else feats.shape[1],
-                                     labels=labels, load_seconds=time.perf_counter() - started)
-    return model
+    # a TorchScript file gives logits only: the loading tail drops "embeddings" then, and names the classes
+    # class_i when its head's width is not the label list's
+    info = ModelInfo(name, ("embeddings", "classify"), None, labels, str(device), "float32", source, transform,
+                     format=fmt)
+    return LoadedModel(info=info, module=module, device=device, channels_last=channels_last)
 
 
 def export_checkpoint(name: str, weights: str, out: str, *, channels_last: bool = True) -> dict[str, Any]:

@@ -3,10 +3,14 @@ description, its preprocessing, its tokens, its precision choice) without import
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
+
+if TYPE_CHECKING:  # annotations only: this module stays torch-free
+    import torch
 
 MIN_COSINE = 0.9999
 MIN_SPEEDUP = 1.15  # a lower precision must earn its rounding: timing noise between runs here is ~5-10%
@@ -52,6 +56,25 @@ class Tokens:
 
 
 @dataclass(frozen=True)
+class EncodedJpeg:
+    """A JPEG that passed the header checks, waiting for the device: its bytes as a uint8 array (made in the
+    decode thread, so the inference thread does not copy them) and its EXIF orientation (1-8)."""
+
+    data: np.ndarray
+    orientation: int = 1
+
+
+class DeviceDecoder(Protocol):
+    """Decodes JPEGs on the model's device, in the inference thread (``pipeline.device_decode``, handed to
+    the model by the worker's boot: the engine does not import the pipeline)."""
+
+    def usable(self, mode: str, device: torch.device, transform: Transform) -> tuple[bool, str]: ...
+
+    def crops(self, jpegs: Sequence[EncodedJpeg], transform: Transform, device: torch.device
+              ) -> tuple[list[torch.Tensor | None], dict[int, Exception]]: ...
+
+
+@dataclass(frozen=True)
 class ModelInfo:
     name: str
     tasks: tuple[str, ...]
@@ -69,7 +92,7 @@ class ModelInfo:
     logit_scale: float = 1.0  # zero-shot: softmax(logit_scale * cosine + logit_bias)
     logit_bias: float = 0.0
     precision: Precision | None = None  # the dtype choice and why (``precision.settle``)
-    jpeg_decode: str = "pillow"  # where JPEGs are decoded: pillow (decode threads) | device (``device_decode``)
+    jpeg_decode: str = "pillow"  # where JPEGs are decoded: pillow (decode threads) | device (``DeviceDecoder``)
 
     def public(self) -> dict[str, Any]:
         t = self.transform

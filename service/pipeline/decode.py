@@ -15,7 +15,7 @@ import warnings
 import numpy as np
 from PIL import Image, ImageFile, ImageOps, UnidentifiedImageError
 
-from service.engine.device_decode import EncodedJpeg
+from service.engine.types import EncodedJpeg
 from service.errors import ImageTooLarge, NotAnImage, UnsupportedImage
 
 log = logging.getLogger(__name__)

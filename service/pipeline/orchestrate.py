@@ -24,14 +24,14 @@ import gevent.pool
 import numpy as np
 
 from service.engine.batcher import Row
-from service.engine.device_decode import DeviceDecodeFailed, EncodedJpeg
 from service.engine.runner import Runner
 from service.engine.scheduling import Admission
-from service.engine.types import ModelInfo, Transform
+from service.engine.types import EncodedJpeg, ModelInfo, Transform
 from service.errors import DeadlineExceeded, ImageError, ImagesFailed
 from service.pipeline import answers
 from service.pipeline.answers import Spans
 from service.pipeline.decode import decode_image, decode_opened, jpeg_for_device, open_checked
+from service.pipeline.device_decode import DeviceDecodeFailed
 from service.pipeline.fetch import Fetcher
 from service.pipeline.preprocess import preprocess
 from service.pipeline.requests import ImageRef, InferenceRequest

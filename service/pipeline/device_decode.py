@@ -3,10 +3,13 @@ through ``torchvision.io.decode_jpeg(device="cuda")``, a whole batch in one call
 resize and centre crop as tensor ops on the device. Everything here runs in the worker's one inference
 thread, so the hub never waits on CUDA and no other thread touches the device.
 
-The safety checks stay in the decode threads (``pipeline.decode.jpeg_for_device``): the format sniffed and allow-listed,
+The safety checks stay in the decode threads (``decode.jpeg_for_device``): the format sniffed and allow-listed,
 the pixel limit and the EXIF orientation read from the header, before anything is decoded. Only JPEGs
 that pass come here as ``EncodedJpeg``; a JPEG the device cannot decode is sent back (``DeviceDecodeFailed``)
 and goes through Pillow like every other format.
+
+This module is the engine's ``DeviceDecoder`` (``engine.types``): the worker's boot hands it to the model,
+which calls ``crops`` for the JPEGs of a batch in its inference thread. The engine never imports it.
 """
 
 from __future__ import annotations
@@ -15,26 +18,15 @@ import logging
 import math
 import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass
 
-import numpy as np
 import torch
 from torch.nn import functional as F
 
-from service.engine.types import Transform
+from service.engine.types import EncodedJpeg, Transform
 
 log = logging.getLogger(__name__)
 
 INTERPOLATIONS = ("bilinear", "bicubic")  # Pillow's filters that torch reproduces (antialiased); lanczos is not
-
-
-@dataclass(frozen=True)
-class EncodedJpeg:
-    """A JPEG that passed the header checks, waiting for the device: its bytes as a uint8 array (made in the
-    decode thread, so the inference thread does not copy them) and its EXIF orientation (1-8)."""
-
-    data: np.ndarray
-    orientation: int = 1
 
 
 class DeviceDecodeFailed(Exception):
