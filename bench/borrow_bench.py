@@ -1,7 +1,7 @@
 """Borrowing idle cores at 1 and 2 concurrent clients: ``python -m bench.borrow_bench [--root CHECKOUT ...]``.
 
 Two workers of resnet18 (default; ``--model``), one 1920x1080 JPEG per request as a data: URL, closed loop
-over keep-alive ``http.client`` connections. For every checkout given (``--root``, default this one) and
+over keep-alive connections (``harness.load``). For every checkout given (``--root``, default this one) and
 ``GREENSERVE_BORROW_IDLE_CORES`` true and false, all servers up at once, then rounds that alternate
 server and client count (1, 2) so the shared host's drift lands on all alike: requests/s, p50, p99 and
 requests over 150 ms per round. ``--root`` twice (an earlier commit's checkout and this one) gives the
@@ -18,39 +18,27 @@ import contextlib
 import json
 import statistics
 import sys
-import threading
-import time
 from pathlib import Path
 from typing import Any
 
 from bench import bare
 from bench.album import Photo, render
-from bench.keepalive import KeepAlive
 from bench.report import rows_table, start
 from harness.launch import ROOT, GunicornServer
+from harness.load import Load
 from harness.stats import percentile
 
 OUT = ROOT / "bench" / "out"
 SLOW_MS = 150.0
 
 
-def _client(port: int, body: bytes, stop_at: float, out: list[float]) -> None:
-    client = KeepAlive(port)
-    while time.perf_counter() < stop_at:
-        out.append(client.post_ms("/v1/embeddings", body))
-    client.close()
-
-
-def closed_loop(port: int, body: bytes, clients: int, seconds: float) -> dict[str, Any]:
-    """``clients`` threads, each one request after another for ``seconds``."""
-    stop_at = time.perf_counter() + seconds
-    lat: list[list[float]] = [[] for _ in range(clients)]
-    threads = [threading.Thread(target=_client, args=(port, body, stop_at, lat[i])) for i in range(clients)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    ms = sorted(x for one in lat for x in one)
+def closed_loop(port: int, body: dict[str, Any], clients: int, seconds: float) -> dict[str, Any]:
+    """``clients`` clients, each one request after another for ``seconds``."""
+    load = Load(f"http://127.0.0.1:{port}", clients, body, duration_s=seconds).start().join()
+    failed = [d for d in load.done if d.status != 200]
+    if failed:
+        raise RuntimeError(f"{len(failed)} requests failed: {failed[0]}")
+    ms = sorted(d.seconds * 1000 for d in load.done)
     p99 = percentile(ms, 0.99) or 0.0
     return {"requests_per_s": round(len(ms) / seconds, 1), "p50_ms": round(statistics.median(ms), 1),
             "p99_ms": round(p99, 1), "over_150ms": sum(x > SLOW_MS for x in ms), "requests": len(ms)}
@@ -67,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     info = start("bench.borrow_bench", args.model, argv)
     weights = bare.save_random_weights(args.model, OUT / "weights" / f"{bare.slug(args.model)}-seed0.pt")
     photo = render(Photo("hd.jpg", 1920, 1080, 1, seed=3))
-    body = json.dumps({"images": ["data:image/jpeg;base64," + base64.b64encode(photo).decode()]}).encode()
+    body = {"images": ["data:image/jpeg;base64," + base64.b64encode(photo).decode()]}
     results: dict[str, dict[int, list[dict[str, Any]]]] = {}
     with contextlib.ExitStack() as stack:
         servers = {}

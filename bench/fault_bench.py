@@ -27,7 +27,6 @@ import socket
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -36,22 +35,16 @@ import requests
 from bench import bare
 from bench.album import Photo, render
 from bench.report import machine
-from harness.faults import IdleFlood, Load, SlowLoris, probe, worker_pid_answering
+from harness.faults import IdleFlood, SlowLoris, probe, worker_pid_answering
 from harness.imagehost import ImageHost
 from harness.launch import ROOT, GunicornServer, free_port
+from harness.load import Load, load_summary
 from harness.stats import percentile
 
 OUT = Path("bench/out")
 MODEL = "resnet18"
 PHOTOS = [Photo(f"p{i:02d}.jpg", 1024, 768, 1, seed=40 + i) for i in range(10)]
 BIG = [Photo(f"big{i}.jpg", 4000, 3000, 1, seed=60 + i) for i in range(8)]  # 12 MP: the mixed case's good images
-
-
-def steady(names: list[str]) -> Callable[[requests.Session, str], requests.Response]:
-    def request(session: requests.Session, url: str) -> requests.Response:
-        return session.post(url + "/v1/embeddings", json={"images": names}, timeout=60)
-
-    return request
 
 
 def metric(url: str, name: str) -> float:
@@ -63,7 +56,7 @@ def metric(url: str, name: str) -> float:
 def under(srv: GunicornServer, names: list[str], fault: Any, seconds: float) -> dict[str, Any]:
     """The steady load (a fresh connection per request, as a new client) and /healthz probes while
     ``fault`` (a context manager) is on."""
-    with Load(srv.url, 4, steady(names), duration_s=seconds + 30, fresh=True, timeout_s=10) as load:
+    with Load(srv.url, 4, {"images": names}, duration_s=seconds + 30, fresh=True, timeout_s=10) as load:
         time.sleep(2.0)
         start = time.monotonic()
         with fault:
@@ -71,7 +64,7 @@ def under(srv: GunicornServer, names: list[str], fault: Any, seconds: float) -> 
         during = load.since(start)
     time.sleep(0.5)
     after = worker_pid_answering(srv.url, 16)
-    s = Load.summary(during)
+    s = load_summary(during)
     return {"clients_ok": f"{s['ok']}/{s['requests']}", "clients_p99_s": s["p99_s"],
             "healthz_ok": f"{len(health)}/{len(health) + health_failed}",
             # 30 probes: a p99 would be the single worst one, which is the probe that waited in the kernel's
@@ -96,7 +89,7 @@ class _Loris:
 def hup(srv: GunicornServer, names: list[str]) -> dict[str, Any]:
     old = srv.worker_pids()
     assert srv.proc is not None
-    with Load(srv.url, 4, steady(names), duration_s=90) as load:
+    with Load(srv.url, 4, {"images": names}, duration_s=90) as load:
         time.sleep(3.0)
         sent = time.monotonic()
         os.kill(srv.proc.pid, signal.SIGHUP)
@@ -108,7 +101,7 @@ def hup(srv: GunicornServer, names: list[str]) -> dict[str, Any]:
                 break
             time.sleep(0.2)
         time.sleep(3.0)
-    s = Load.summary(load.outcomes)
+    s = load_summary(load.done)
     return {"requests": s["requests"], "failed": s["failed"], "failures": s["failures"], "max_s": s["max_s"],
             "p50_s": s["p50_s"], "new_workers_serving_after_s": round(switched, 1) if switched else None}
 
@@ -141,7 +134,7 @@ def gone(srv: GunicornServer, names: list[str]) -> dict[str, Any]:
 
 def respawn(srv: GunicornServer, names: list[str]) -> dict[str, Any]:
     ready_before = srv.log().count("model ready:")
-    with Load(srv.url, 4, steady(names[:2]), duration_s=60) as load:
+    with Load(srv.url, 4, {"images": names[:2]}, duration_s=60) as load:
         time.sleep(3.0)
         os.kill(next(iter(srv.worker_pids())), signal.SIGKILL)
         killed = time.monotonic()
@@ -151,8 +144,8 @@ def respawn(srv: GunicornServer, names: list[str]) -> dict[str, Any]:
         time.sleep(10.0)
         window = time.monotonic()
         time.sleep(3.0)
-        split = Load.summary(load.since(window))
-    lost = [o for o in load.outcomes if o.status != 200]
+        split = load_summary(load.since(window))
+    lost = [o for o in load.done if o.status != 200]
     return {"respawn_ready_s": round(ready - killed, 1), "split_10_13s_after": sorted(split["by_pid"].values()),
             "failed_requests": len(lost)}
 

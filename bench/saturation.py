@@ -20,41 +20,29 @@ import contextlib
 import json
 import os
 import sys
-import threading
-import time
 from pathlib import Path
 from typing import Any
 
 from bench import bare
 from bench.album import DEFAULT_DIR, ensure_album, load_album
-from bench.keepalive import KeepAlive
 from bench.report import rows_table, start
 from harness.imagehost import ImageHost
 from harness.launch import ROOT, GunicornServer
+from harness.load import Load
 
 OUT = ROOT / "bench" / "out"
 LIMITS = {"GREENSERVE_MAX_QUEUE_IMAGES": "512", "GREENSERVE_REQUEST_TIMEOUT_S": "300", "GREENSERVE_DTYPE": "float32"}
 
 
-def steady(port: int, body: bytes, clients: int, seconds: float, images: int) -> dict[str, Any]:
-    """``clients`` threads posting ``body`` one after another for ``seconds``; images/s after the fill."""
-    t0 = time.perf_counter()
-    stop_at, done, lock = t0 + seconds, [], threading.Lock()
-
-    def client() -> None:
-        conn = KeepAlive(port, timeout_s=300)
-        while time.perf_counter() < stop_at:
-            conn.post_ms("/v1/embeddings", body)
-            with lock:
-                done.append(time.perf_counter() - t0)
-        conn.close()
-
-    threads = [threading.Thread(target=client) for _ in range(clients)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    done.sort()
+def steady(port: int, body: dict[str, Any], clients: int, seconds: float) -> dict[str, Any]:
+    """``clients`` clients posting ``body`` one after another for ``seconds``; images/s after the fill."""
+    load = Load(f"http://127.0.0.1:{port}", clients, body, duration_s=seconds, timeout_s=300).start().join()
+    failed = [d for d in load.done if d.status != 200]
+    if failed:
+        raise RuntimeError(f"{len(failed)} albums failed: {failed[0]}")
+    t0 = load.deadline - seconds
+    done = sorted(d.ended - t0 for d in load.done)
+    images = load.done[0].images
     end, fill = done[-1], done[min(clients, len(done)) - 1]
     after = len(done) - min(clients, len(done))
     return {"albums": len(done), "seconds": round(end, 1), "all_images_per_s": round(len(done) * images / end, 2),
@@ -74,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     cores = info["cores"]
     blobs = load_album(ensure_album(DEFAULT_DIR))
     names = list(blobs)
-    body = json.dumps({"images": names}).encode()
+    body = {"images": names}
     weights = bare.save_random_weights(args.model, OUT / "weights" / f"{bare.slug(args.model)}-seed0.pt")
     layouts = [(1, cores), (cores, 1)] if cores > 1 else [(1, 1)]
     rounds: list[dict[str, Any]] = []
@@ -88,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
                 servers[f"greenserve {workers}x{threads}{where}"] = (workers, stack.enter_context(
                     GunicornServer(env, workers=workers, ready_timeout_s=300, cwd=root)))
         for _, srv in servers.values():
-            steady(srv.port, body, 1, 0.1, len(names))  # warm: the album's shapes once
+            steady(srv.port, body, 1, 0.1)  # warm: the album's shapes once
         for r in range(args.rounds):
             row: dict[str, Any] = {"round": r + 1}
             for p, t in layouts:
@@ -97,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
             labels = list(servers)
             for label in labels[r % len(labels):] + labels[:r % len(labels)]:
                 workers, srv = servers[label]
-                row[label] = steady(srv.port, body, 2 * workers + 1, args.seconds, len(names))
+                row[label] = steady(srv.port, body, 2 * workers + 1, args.seconds)
                 print(f"   round {r + 1} {label}: {json.dumps(row[label])}", flush=True)
             rounds.append(row)
             print(f"   round {r + 1}: {json.dumps(row)}", flush=True)

@@ -2,26 +2,20 @@
 
     IdleFlood   n connections that each send half a request line, then nothing, until closed
     SlowLoris   keeps n connections open, a byte every ``interval_s``, reopening each one that is dropped
-    Load        client threads sending requests in a loop, recording every outcome, until stopped
     probe       timed GETs of one path on fresh connections
 
 Everything is bounded: a connection count, a deadline after which each thread stops by itself, and
-socket timeouts. Only 127.0.0.1 is ever a target.
+socket timeouts. Only 127.0.0.1 is ever a target. The load
+they run beside is ``harness.load``.
 """
 
 from __future__ import annotations
 
 import socket
-import statistics
 import threading
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
 
 import requests
-
-from harness.stats import percentile
 
 HOST = "127.0.0.1"
 PARTIAL_REQUEST = b"GET /healthz HTTP/1.1\r\nHost: greenserve\r\nX-Slow: "
@@ -103,88 +97,6 @@ class SlowLoris(threading.Thread):
     def stop(self) -> None:
         self._halt.set()
         self.join(10)
-
-
-@dataclass
-class Outcome:
-    started: float  # monotonic
-    seconds: float
-    status: int  # 0: no HTTP answer (connection error, timeout)
-    pid: int | None = None
-    error: str = ""
-    code: str = ""
-
-
-@dataclass
-class Load:
-    """``clients`` threads, each sending ``request(session)`` in a loop (keep-alive unless ``fresh``)."""
-
-    url: str
-    clients: int
-    request: Callable[[requests.Session, str], requests.Response]
-    duration_s: float = 30.0
-    fresh: bool = False
-    timeout_s: float = 60.0
-    outcomes: list[Outcome] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        self._halt = threading.Event()
-        self._threads = [threading.Thread(target=self._client, daemon=True) for _ in range(self.clients)]
-        self._lock = threading.Lock()
-
-    def start(self) -> Load:
-        self.deadline = time.monotonic() + self.duration_s
-        for t in self._threads:
-            t.start()
-        return self
-
-    def stop(self) -> Load:
-        self._halt.set()
-        for t in self._threads:
-            t.join(self.timeout_s + 5)
-        return self
-
-    def __enter__(self) -> Load:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
-    def _client(self) -> None:
-        session = requests.Session()
-        session.trust_env = False
-        while not self._halt.is_set() and time.monotonic() < self.deadline:
-            if self.fresh:
-                session.close()
-            t0 = time.monotonic()
-            try:
-                r = self.request(session, self.url)
-                code = r.json().get("error", {}).get("code", "") if r.status_code != 200 else ""
-                out = Outcome(t0, time.monotonic() - t0, r.status_code, int(r.headers.get("X-Worker-PID", 0)),
-                              code=code)
-            except (requests.RequestException, ValueError) as exc:
-                out = Outcome(t0, time.monotonic() - t0, 0, error=type(exc).__name__)
-            with self._lock:
-                self.outcomes.append(out)
-        session.close()
-
-    def since(self, t: float) -> list[Outcome]:
-        with self._lock:
-            return [o for o in self.outcomes if o.started >= t]
-
-    @staticmethod
-    def summary(outcomes: list[Outcome]) -> dict[str, Any]:
-        ok = [o.seconds for o in outcomes if o.status == 200]
-        pids: dict[int, int] = {}
-        for o in outcomes:
-            if o.status == 200 and o.pid:
-                pids[o.pid] = pids.get(o.pid, 0) + 1
-        return {"requests": len(outcomes), "ok": len(ok),
-                "failed": len(outcomes) - len(ok),
-                "failures": sorted({f"{o.status} {o.code or o.error}" for o in outcomes if o.status != 200}),
-                "p50_s": round(statistics.median(ok), 3) if ok else None,
-                "p99_s": round(p99, 3) if (p99 := percentile(ok, 0.99)) is not None else None,
-                "max_s": round(max(ok), 3) if ok else None, "by_pid": pids}
 
 
 def probe(url: str, n: int, *, interval_s: float = 0.1, timeout_s: float = 2.0) -> tuple[list[float], int]:

@@ -16,9 +16,10 @@ from pathlib import Path
 import pytest
 import requests
 
-from harness.faults import IdleFlood, Load, SlowLoris, probe, worker_pid_answering
+from harness.faults import IdleFlood, SlowLoris, probe, worker_pid_answering
 from harness.imagehost import ImageHost
 from harness.launch import GunicornServer, free_port
+from harness.load import Load, load_summary
 from tests import images
 from tests.conftest import e2e_env
 from tests.test_e2e_engine import _metric
@@ -27,8 +28,11 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 IMAGE = "data:image/jpeg;base64," + base64.b64encode(images.jpeg(256, 256, seed=21)).decode()
 
 
+EMBED_BODY = {"images": [IMAGE]}
+
+
 def embed_one(session: requests.Session, url: str) -> requests.Response:
-    return session.post(url + "/v1/embeddings", json={"images": [IMAGE]}, timeout=60)
+    return session.post(url + "/v1/embeddings", json=EMBED_BODY, timeout=60)
 
 
 def images_through_model(server: GunicornServer) -> float:
@@ -76,11 +80,11 @@ def test_a_reopening_slow_loris_cannot_starve_clients(faults_server: GunicornSer
     loris.start()
     try:
         time.sleep(1.0)
-        with Load(srv.url, 2, embed_one, duration_s=4, fresh=True) as load:
+        with Load(srv.url, 2, EMBED_BODY, duration_s=4, fresh=True) as load:
             latencies, failed = probe(srv.url + "/healthz", 10, timeout_s=3)
     finally:
         loris.stop()
-    summary = Load.summary(load.outcomes)
+    summary = load_summary(load.done)
     assert failed == 0, f"/healthz failed {failed} of 10 times under a slow loris"
     assert summary["requests"] > 0 and summary["failed"] == 0, summary
 
@@ -152,7 +156,7 @@ def fresh_server(weights_file: Path, image_host: ImageHost) -> Iterator[Gunicorn
 def hup_under_load(srv: GunicornServer) -> dict:
     """SIGHUP to the master while 4 keep-alive clients send requests; until the new workers serve."""
     old = srv.worker_pids()
-    with Load(srv.url, 4, embed_one, duration_s=60) as load:
+    with Load(srv.url, 4, EMBED_BODY, duration_s=60) as load:
         time.sleep(2.0)
         assert srv.proc is not None
         os.kill(srv.proc.pid, signal.SIGHUP)
@@ -163,7 +167,7 @@ def hup_under_load(srv: GunicornServer) -> dict:
                 break
             time.sleep(0.5)
         time.sleep(2.0)
-    summary = Load.summary(load.outcomes)
+    summary = load_summary(load.done)
     assert set(summary["by_pid"]) - old, f"the new workers never served: {summary}"
     return summary
 
@@ -184,7 +188,7 @@ def test_hup_fails_no_request_with_one_worker_and_no_accept_gate(weights_file: P
 
 def test_balance_comes_back_after_a_respawn(fresh_server: GunicornServer) -> None:
     srv = fresh_server
-    with Load(srv.url, 4, embed_one, duration_s=60) as load:
+    with Load(srv.url, 4, EMBED_BODY, duration_s=60) as load:
         time.sleep(2.0)
         victim = next(iter(srv.worker_pids()))
         os.kill(victim, signal.SIGKILL)
@@ -194,6 +198,6 @@ def test_balance_comes_back_after_a_respawn(fresh_server: GunicornServer) -> Non
         time.sleep(10.0)  # the issue's bound for getting both workers back into service
         window = time.monotonic()
         time.sleep(3.0)
-        last = Load.summary(load.since(window))
+        last = load_summary(load.since(window))
     assert len(last["by_pid"]) == 2, f"10 s after the respawn one worker served everything: {last}"
     assert min(last["by_pid"].values()) >= 0.2 * last["ok"], last

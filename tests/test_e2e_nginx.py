@@ -22,9 +22,9 @@ from pathlib import Path
 import pytest
 import requests
 
-from harness.faults import Load
 from harness.imagehost import ImageHost
 from harness.launch import GunicornServer, free_port
+from harness.load import Load, load_summary
 from tests.conftest import e2e_env
 from tests.test_deploy_nginx import conf_value, nginx_binary, nginx_command, render, size_bytes
 
@@ -318,7 +318,7 @@ def test_kill_9_of_an_instance_fails_no_request(fleet: Fleet) -> None:
     metrics_dir = _metrics_dir(workers)
     assert metrics_dir
     try:
-        with Load(fleet.nginx.url, 3, embed_one, duration_s=15, timeout_s=30) as load:
+        with Load(fleet.nginx.url, 3, EMBED_BODY, duration_s=15, timeout_s=30) as load:
             time.sleep(3)
             t_kill = time.monotonic()
             victim.proc.send_signal(signal.SIGKILL)
@@ -335,7 +335,7 @@ def test_kill_9_of_an_instance_fails_no_request(fleet: Fleet) -> None:
             time.sleep(max(0.0, t_kill + 6 - time.monotonic()))  # the survivor alone, under the same load
     finally:
         shutil.rmtree(metrics_dir, ignore_errors=True)
-    everything, after = Load.summary(load.outcomes), Load.summary(load.since(t_kill))
+    everything, after = load_summary(load.done), load_summary(load.since(t_kill))
     print(f"\nkill -9: {everything}; after the kill {after}; orphaned workers gone and port refusing after "
           f"{orphans_lived_s:.1f}s; nginx retried {_retried(fleet.nginx, log_from)} requests elsewhere")
     assert not lingering, f"orphaned workers {lingering} still alive {orphans_lived_s:.0f}s after their master"
@@ -348,14 +348,14 @@ def test_sigterm_drains_an_instance_without_failures(fleet: Fleet) -> None:
     draining, survivor = fleet.instance(1), fleet.instance(0)
     assert draining.proc is not None
     workers, log_from = draining.worker_pids(), len(fleet.nginx.log())
-    with Load(fleet.nginx.url, 3, embed_one, duration_s=15, timeout_s=30) as load:
+    with Load(fleet.nginx.url, 3, EMBED_BODY, duration_s=15, timeout_s=30) as load:
         time.sleep(3)
         t_term = time.monotonic()
         draining.proc.send_signal(signal.SIGTERM)
         code = draining.proc.wait(45)
         drained_s = time.monotonic() - t_term
         time.sleep(2)  # and the survivor carries on alone
-    everything, after = Load.summary(load.outcomes), Load.summary(load.since(t_term))
+    everything, after = load_summary(load.done), load_summary(load.since(t_term))
     finished_there = sum(o.pid in workers for o in load.since(t_term - 0.5))
     print(f"\nSIGTERM: {everything}; after the signal {after}; the instance exited {code} after {drained_s:.1f}s, "
           f"{finished_there} requests finished on it from 0.5 s before the signal; nginx retried "
