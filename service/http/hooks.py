@@ -17,7 +17,7 @@ from flask import Blueprint, Response, current_app, g, request
 from werkzeug.exceptions import HTTPException
 
 from service import logs, metrics
-from service.errors import ClientGone, GreenserveError, Unauthorized, UnsupportedMediaType, from_http_status
+from service.errors import ClientGone, GreenserveError, Unauthorized, from_http_status
 from service.http import current, protocols
 from service.http.context import RequestContext
 
@@ -38,11 +38,6 @@ def _start() -> None:
         if scheme.lower() != "bearer" or not hmac.compare_digest(supplied.strip().encode(),
                                                                  settings.api_token.encode()):
             raise Unauthorized("missing or wrong bearer token; send Authorization: Bearer <GREENSERVE_API_TOKEN>")
-    encoding = request.headers.get("Content-Encoding", "").strip().lower()
-    if encoding not in ("", "identity") and not request.path.startswith("/v2/"):  # OIP inflates its own
-        raise UnsupportedMediaType(f"Content-Encoding {encoding!r} is not accepted here; send the body "
-                                   "uncompressed (OIP v2 infer takes gzip and deflate)",
-                                   code="unsupported_content_encoding")
 
 
 @bp.after_app_request

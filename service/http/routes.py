@@ -13,6 +13,8 @@ from service import metrics
 from service.engine.types import ModelInfo
 from service.errors import RequestError, UnsupportedMediaType
 from service.http import current, dataplane
+from service.http.body import check_form
+from service.http.body import read as read_body
 from service.http.protocols import openai
 from service.pipeline.inputs import check_part_names, parse_doc, parse_form
 from service.pipeline.json_body import load_json
@@ -56,6 +58,7 @@ def _parse_request(p: dataplane.Parts, task: str, openai_too: bool = False
     settings = p.settings
     mimetype = request.mimetype
     if mimetype == "multipart/form-data":
+        check_form()
         check_part_names([*request.files, *request.form])
         files = [(f.filename or "", f.read(settings.max_image_bytes + 1)) for f in request.files.getlist("images")]
         unexpected = sorted(set(request.files) - {"images"})
@@ -64,7 +67,7 @@ def _parse_request(p: dataplane.Parts, task: str, openai_too: bool = False
         fields = {k: v for k, v in request.form.to_dict().items() if k != "labels"}
         return parse_form(fields, files, settings, task, labels=request.form.getlist("labels")), None
     if mimetype in ("application/json", "") or mimetype.endswith("+json"):
-        return dataplane.parse_body(p, request.get_data(cache=False), _parse_json, settings, task,
+        return dataplane.parse_body(p, read_body(p), _parse_json, settings, task,
                                   openai_too, p.runner.info, dataplane.model_name(p))
     raise UnsupportedMediaType(f"Content-Type {mimetype!r} is not accepted; send application/json or "
                                "multipart/form-data")

@@ -20,10 +20,11 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from flask import Blueprint, Response, request
+from flask import Blueprint, Response
 
 from service.errors import RequestError
 from service.http import current, dataplane
+from service.http.body import read as read_body
 from service.http.protocols.surface import Surface, flat_error_body
 from service.pipeline import postprocess
 from service.pipeline.inputs import base64_ref, check_count, is_reference, request_options, string_ref
@@ -50,7 +51,7 @@ def alive() -> Response:
 def predict(name: str) -> Response:
     with current.busy() as p:
         task = dataplane.resolve_model(p, name)
-        req = dataplane.parse_body(p, request.get_data(cache=False), parse_body, p.settings)
+        req = dataplane.parse_body(p, read_body(p), parse_body, p.settings)
         body = current.run(p, req, task)
     return current.json_response({"predictions": predictions(body, task)})
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 import gzip
 import os
 import re
-import zlib
 from importlib.metadata import PackageNotFoundError, version
 
 import orjson
@@ -21,8 +20,9 @@ from flask import Blueprint, Response, request
 
 from service import metrics
 from service.engine.types import ModelInfo
-from service.errors import NotFound, PayloadTooLarge, UnsupportedMediaType
+from service.errors import NotFound
 from service.http import current, dataplane
+from service.http.body import read as read_body
 from service.http.protocols import oip_stats
 from service.http.protocols import oip_wire as wire
 from service.http.protocols.surface import Surface, flat_error_body
@@ -35,7 +35,6 @@ EXTENSIONS = ["binary_tensor_data", "classification", "model_configuration", "pa
 VERSION = "1"  # one model, one version: /versions/1 is accepted, any other is 404
 _MODEL = "/v2/models/<name>"
 _VERSIONED = "/v2/models/<name>/versions/<version>"
-_GZIP_MAGIC = b"\x1f\x8b"
 
 
 def _package_version() -> str:
@@ -148,41 +147,8 @@ def infer(name: str, version: str | None = None) -> Response:
 
 
 def _parse(p: dataplane.Parts, available: list[str]) -> wire.InferCall:
-    body = _inflate(p, request.get_data(cache=False))
+    body = read_body(p, bad_code="invalid_tensor")
     return dataplane.parse_body(p, body, wire.parse_request, request.headers.get(wire.HEADER), p.settings, available)
-
-
-def _inflate(p: dataplane.Parts, body: bytes) -> bytes:
-    """A gzip/deflate request body (tritonclient's request_compression_algorithm), never past the body cap."""
-    encoding = request.headers.get("Content-Encoding", "identity").strip().lower()
-    if encoding in ("identity", ""):
-        return body
-    if encoding not in ("gzip", "deflate"):
-        raise UnsupportedMediaType(f"Content-Encoding {encoding!r} is not accepted; use gzip, deflate or none",
-                                   code="unsupported_content_encoding")
-    return p.runner.offload(_decompress, body, encoding, p.settings.max_body_bytes)
-
-
-def _decompress(body: bytes, encoding: str, limit: int) -> bytes:
-    """Every gzip member in turn (a gzip stream may have several), all within ``limit``; what is not a whole
-    stream (cut short, or followed by bytes that are not another member) is refused, not half-read."""
-    out, rest = bytearray(), body
-    while True:
-        inflater = zlib.decompressobj(zlib.MAX_WBITS | 32)  # either header: gzip or zlib
-        try:
-            out += inflater.decompress(rest, limit + 1 - len(out))  # at least 1: 0 would mean no cap
-        except zlib.error as exc:
-            raise wire.invalid(f"the {encoding} body does not inflate ({exc})") from exc
-        if len(out) > limit:
-            raise PayloadTooLarge(f"the body inflates past {limit} bytes; send fewer/smaller images or set "
-                                  "GREENSERVE_MAX_BODY_BYTES")
-        if not inflater.eof:
-            raise wire.invalid(f"the {encoding} body ends before its compressed stream does (cut short?)")
-        rest = inflater.unused_data
-        if not rest:
-            return bytes(out)
-        if encoding != "gzip" or not rest.startswith(_GZIP_MAGIC):
-            raise wire.invalid(f"the {encoding} body has {len(rest)} bytes after its compressed stream")
 
 
 def _compressed(body: bytes, mimetype: str, headers: dict[str, str]) -> Response:

@@ -25,6 +25,8 @@ from flask import Blueprint, Response, request
 
 from service.errors import MethodNotAllowed, NotFound, RequestError, UnsupportedMediaType
 from service.http import current, dataplane
+from service.http.body import check_form
+from service.http.body import read as read_body
 from service.http.protocols import openai
 from service.http.protocols.surface import Surface
 from service.pipeline import postprocess
@@ -78,21 +80,23 @@ def predict(name: str, version: str | None = None) -> Response:
     with current.busy() as p:
         task = dataplane.resolve_model(p, name)
         _check_version(name, version)
-        req = parse_request(p.settings)
+        req = parse_request(p)
         body = current.run(p, req, task)
     answers = [item["embedding"] if task == "embeddings" else postprocess.label_scores(item["labels"]) for item in body["data"]]
     return current.json_response(answers[0] if len(answers) == 1 else answers)
 
 
-def parse_request(settings: Settings) -> InferenceRequest:
+def parse_request(p: dataplane.Parts) -> InferenceRequest:
     """The images (multipart files, or the whole body as one) and the query's options."""
-    files = _uploads(settings) if request.mimetype == "multipart/form-data" else [(RAW_NAME, _raw_image())]
+    settings = p.settings
+    files = _uploads(settings) if request.mimetype == "multipart/form-data" else [(RAW_NAME, _raw_image(p))]
     check_count(len(files), settings)
     refs = tuple(bytes_ref(i, filename, data, settings) for i, (filename, data) in enumerate(files))
     return InferenceRequest(refs, **_query_options(settings))
 
 
 def _uploads(settings: Settings) -> list[tuple[str, bytes]]:
+    check_form()
     check_part_names([*request.files, *request.form])
     unexpected = sorted(set(request.files) - set(FILE_FIELDS))
     if unexpected:
@@ -105,9 +109,9 @@ def _uploads(settings: Settings) -> list[tuple[str, bytes]]:
     return files
 
 
-def _raw_image() -> bytes:
+def _raw_image(p: dataplane.Parts) -> bytes:
     """The body is the image, whatever its Content-Type says (TorchServe's ``body`` parameter)."""
-    raw = request.get_data(cache=False)
+    raw = read_body(p)
     if not raw:
         raise RequestError("the request body is empty; send the image's bytes (curl -T kitten.jpg) or a form "
                            "with the file in the field 'data' (curl -F data=@kitten.jpg)")
