@@ -146,6 +146,9 @@ class Settings:
                                      parse="int", lo=1)
     request_timeout_s: float = _setting(60.0, "request deadline (a per-request X-Request-Timeout header "
                                         "may shorten it)", unit="s", parse="float", lo=0.1, hi=3600)
+    stream_heartbeat_s: float = _setting(15.0, "how often a streamed answer (text/event-stream) sends a comment "
+                                         "line while no image is ready, for proxies' read timeouts", unit="s",
+                                         parse="float", lo=0.1, hi=300)
     worker_timeout_s: int = _setting(120, "gunicorn worker timeout (a hub silent this long is killed)",
                                      unit="s", parse="int", lo=10)
     graceful_timeout_s: int = _setting(30, "gunicorn graceful shutdown time for in-flight requests",

@@ -8,9 +8,9 @@ from contextlib import contextmanager
 from typing import Any, cast
 
 import orjson
-from flask import Response, current_app, g
+from flask import Response, current_app, g, request, stream_with_context
 
-from service.http import dataplane
+from service.http import dataplane, streaming
 from service.http.context import RequestContext
 from service.http.dataplane import Parts, Served
 from service.pipeline.orchestrate import Rows
@@ -53,6 +53,25 @@ def run_rows(p: Parts, req: InferenceRequest, tasks: tuple[str, ...], *, timeout
     rows, work = dataplane.run_rows(p, context(), req, tasks, timeout_s=timeout_s)
     note(work)
     return rows
+
+
+def streamed_format() -> str | None:
+    """The stream format the client asks for (``Accept``), None for a JSON answer: a client that accepts
+    anything (``*/*``) or prefers JSON gets JSON."""
+    best = request.accept_mimetypes.best_match(["application/json", *streaming.FORMATS])
+    return best if best in streaming.FORMATS else None
+
+
+def stream(p: Parts, req: InferenceRequest, task: str, media_type: str) -> Response:
+    """A streamed answer (``streaming``), started in its own greenlet; the access line waits for its end."""
+    note(Served(dataplane.size(req), {}))
+    started = streaming.start(p, context(), req, task, media_type)
+    g.stream = started
+    return Response(stream_with_context(started.lines()), mimetype=media_type, headers=streaming.HEADERS)
+
+
+def stream_or_none() -> streaming.Stream | None:
+    return cast(streaming.Stream | None, g.get("stream"))
 
 
 def note(served: Served) -> None:

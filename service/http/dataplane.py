@@ -20,7 +20,7 @@ from service.engine.types import ModelInfo
 from service.errors import NotFound, Overloaded, RequestError
 from service.http.connection import cancel_on_hang_up
 from service.http.context import RequestContext
-from service.pipeline.orchestrate import Orchestrator, Rows
+from service.pipeline.orchestrate import Orchestrator, Progress, Rows
 from service.pipeline.requests import InferenceRequest
 from service.settings import Settings
 
@@ -52,12 +52,13 @@ class Answer:
 
 
 def run(p: Parts, ctx: RequestContext, req: InferenceRequest, task: str, *,
-        timeout_s: float | None = None) -> Answer:
-    """The native response body for ``task``: ``{"model", "data", "errors", "timings_ms", "request_id"}``."""
+        timeout_s: float | None = None, progress: Progress | None = None) -> Answer:
+    """The native response body for ``task``: ``{"model", "data", "errors", "timings_ms", "request_id"}``;
+    ``progress`` hears of each image's answer as it is ready (a streamed answer)."""
     check_task(p.runner.info, req, task)
     with cancel_on_hang_up(_client(p.settings, ctx)):
         body = p.orchestrator.run(req, task, deadline=ctx.deadline(p.settings.request_timeout_s, timeout_s),
-                                  request_id=ctx.request_id)
+                                  request_id=ctx.request_id, progress=progress)
     _observe(body["timings_ms"])
     body = {"model": p.runner.info.name if p.runner.info else "", **body, "request_id": ctx.request_id}
     return Answer(body, Served(size(req), body["timings_ms"]))

@@ -6,6 +6,7 @@ Views have no ``try``: the pipeline raises ``GreenserveError`` subclasses and ``
 
 from __future__ import annotations
 
+import functools
 import hmac
 import logging
 import os
@@ -18,7 +19,7 @@ from werkzeug.exceptions import HTTPException
 
 from service import logs, metrics
 from service.errors import ClientGone, GreenserveError, Unauthorized, from_http_status
-from service.http import current, protocols
+from service.http import current, protocols, streaming
 from service.http.context import RequestContext
 
 log = logging.getLogger(__name__)
@@ -50,14 +51,25 @@ def _finish(response: Response) -> Response:
     took_ms = (time.monotonic() - ctx.started) * 1000 if ctx else 0.0
     if ctx:  # time inside the app (parsing to JSON), for telling server time from network time
         response.headers["Server-Timing"] = f"app;dur={took_ms:.1f}"
-    if current_app.extensions["greenserve"]["settings"].log_format == "json":  # text: gunicorn's access log
-        logs.access({"request_id": _request_id(), "method": request.method, "route": route,
-                     "path": request.path, "status": response.status_code, "images": work.images if work else 0,
-                     "timings_ms": work.timings_ms if work else {}, "worker_pid": os.getpid(),
-                     "bytes_in": request.content_length or 0, "bytes_out": response.content_length or 0,
-                     "duration_ms": round(took_ms, 1),
-                     "remote_addr": request.remote_addr})
+    if current_app.extensions["greenserve"]["settings"].log_format != "json":  # text: gunicorn's access log
+        return response
+    fields = {"request_id": _request_id(), "method": request.method, "route": route,
+              "path": request.path, "status": response.status_code, "images": work.images if work else 0,
+              "timings_ms": work.timings_ms if work else {}, "worker_pid": os.getpid(),
+              "bytes_in": request.content_length or 0, "bytes_out": response.content_length or 0,
+              "duration_ms": round(took_ms, 1), "remote_addr": request.remote_addr}
+    stream = current.stream_or_none()
+    if stream is not None and ctx is not None:  # its work is still going: the line waits for its end
+        response.call_on_close(functools.partial(_stream_ended, fields, stream, ctx.started))
+    else:
+        logs.access(fields)
     return response
+
+
+def _stream_ended(fields: dict[str, Any], stream: streaming.Stream, started: float) -> None:
+    served = stream.served()
+    logs.access({**fields, "streamed": True, "duration_ms": round((time.monotonic() - started) * 1000, 1),
+                 **({"images": served.images, "timings_ms": served.timings_ms} if served else {})})
 
 
 @bp.app_errorhandler(GreenserveError)

@@ -32,6 +32,9 @@ def embeddings() -> Response:
     """Native ``{"images"|"texts": [...]}`` or OpenAI ``{"model", "input"}``: one response shape for both."""
     with current.busy() as p:
         req, options = _parse_request(p, "embeddings", openai_too=True)
+        media_type = current.streamed_format()
+        if media_type and options is None:  # an OpenAI body gets OpenAI's JSON, whatever it accepts
+            return current.stream(p, req, "embeddings", media_type)
         body = current.run(p, req, "embeddings")
     return current.json_response(openai.embeddings_body(body, req, options))
 
@@ -50,6 +53,9 @@ def rank() -> Response:
 def _infer(task: str) -> Response:
     with current.busy() as p:
         req, _ = _parse_request(p, task)
+        media_type = current.streamed_format()
+        if media_type:
+            return current.stream(p, req, task, media_type)
         return current.json_response(current.run(p, req, task))
 
 

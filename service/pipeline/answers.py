@@ -18,7 +18,7 @@ from service.engine.batcher import Row
 from service.engine.types import ModelInfo
 from service.errors import ImageError, image_error_item
 from service.pipeline import postprocess
-from service.pipeline.requests import InferenceRequest
+from service.pipeline.requests import ImageRef, InferenceRequest
 from service.pipeline.text_encoder import TextRow
 
 STAGES = ("text", "fetch", "decode", "queue", "inference")
@@ -70,6 +70,15 @@ def texts(req: InferenceRequest, rows: Sequence[TextRow], spans: Spans) -> dict[
     data = [{"index": i, "embedding": postprocess.embedding(r.embedding, normalize=req.normalize),
              "tokens": r.tokens, "truncated": r.truncated} for i, r in enumerate(rows)]
     return {"data": data, "errors": [], "timings_ms": spans.timings(texts=False, stages=("queue", "inference"))}
+
+
+def item(req: InferenceRequest, task: str, info: ModelInfo, ref: ImageRef, outcome: Row | ImageError,
+         prompts: np.ndarray | None) -> dict[str, Any]:
+    """One image's line in a streamed answer: its result as in ``data``, or its error as in ``errors``."""
+    if isinstance(outcome, ImageError):
+        err = image_error_item(ref.index, ref.name, outcome)
+        return {"index": ref.index, "image": ref.name, "error": {k: v for k, v in err.items() if k not in ("index", "image")}}
+    return {"index": ref.index, "image": ref.name, **result(req, task, info, outcome, prompts)}
 
 
 def result(req: InferenceRequest, task: str, info: ModelInfo, row: Row, prompts: np.ndarray | None) -> dict[str, Any]:

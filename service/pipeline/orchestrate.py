@@ -17,7 +17,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import gevent
 import gevent.pool
@@ -59,6 +59,23 @@ class Rows:
     timings_ms: dict[str, float]
 
 
+class Progress(Protocol):
+    """Told of a request's progress as it happens (a streamed answer, ``http/streaming.py``): called in the
+    request's greenlets, so it must not block."""
+
+    def admitted(self) -> None: ...  # the request holds its queue slots: no 503 can come any more
+
+    def item(self, item: dict[str, Any]) -> None: ...  # one image's (or text's) answer, or its error
+
+
+class _Silent:
+    def admitted(self) -> None:
+        pass
+
+    def item(self, item: dict[str, Any]) -> None:
+        pass
+
+
 class _ImageFailed(Exception):
     """Thrown into the request's greenlet when one of its images failed and partial results are off."""
 
@@ -73,7 +90,16 @@ class _Work:
     outcomes: dict[int, Row | ImageError]
     deadline: float
     request: gevent.Greenlet  # the greenlet running the request: ``abort`` interrupts it where it waits
+    progress: Progress
+    task: str
+    req: InferenceRequest
+    prompts: np.ndarray | None = None
     aborted: bool = False
+
+    def settle(self, ref: ImageRef, outcome: Row | ImageError) -> None:
+        """``ref``'s outcome, told to ``progress`` as its answer at once."""
+        self.outcomes[ref.index] = outcome
+        self.progress.item(answers.item(self.req, self.task, self.info, ref, outcome, self.prompts))
 
     def abort(self) -> None:
         """Once only: a second throw could land after the request has moved on to answering."""
@@ -106,26 +132,29 @@ class Orchestrator:
         self.max_pixels = max_pixels
         self.on_image_error = on_image_error
 
-    def run(self, req: InferenceRequest, task: str, *, deadline: float, request_id: str = "") -> dict[str, Any]:
+    def run(self, req: InferenceRequest, task: str, *, deadline: float, request_id: str = "",
+            progress: Progress | None = None) -> dict[str, Any]:
         """The response body (without ``model``/``request_id``) for ``req``; raises request-level errors.
+        ``progress`` hears of each image's answer as soon as it is ready.
 
         With ``partial`` false the first unusable image ends the request at once: its other fetches are
         cancelled, its decodes stopped and its queued images dropped before the model."""
+        progress = progress or _Silent()
         if req.text.texts:
-            return self.run_texts(req, deadline=deadline)
-        info, outcomes, spans, prompts = self._collect(req, deadline, request_id)
+            return self.run_texts(req, deadline=deadline, progress=progress)
+        info, outcomes, spans, prompts = self._collect(req, task, deadline, request_id, progress)
         return self._respond(req, task, info, outcomes, spans, prompts)
 
     def run_rows(self, req: InferenceRequest, *, deadline: float, request_id: str = "") -> Rows:
         """Each image's row (features and logits of one forward), in request order, for a protocol that
         encodes its own outputs (OIP v2 tensors). Any unusable image fails the whole request."""
         assert not req.partial and not req.text.texts and not req.text.prompts
-        info, outcomes, spans, _ = self._collect(req, deadline, request_id)
+        info, outcomes, spans, _ = self._collect(req, "embeddings", deadline, request_id, _Silent())
         rows = tuple(row for ref in req.refs if isinstance(row := outcomes[ref.index], Row))
         assert len(rows) == len(req.refs)  # not partial: a failure raised ImagesFailed
         return Rows(info, rows, spans.timings(texts=False))
 
-    def _collect(self, req: InferenceRequest, deadline: float, request_id: str
+    def _collect(self, req: InferenceRequest, task: str, deadline: float, request_id: str, progress: Progress
                  ) -> tuple[ModelInfo, dict[int, Row | ImageError], Spans, np.ndarray | None]:
         spans = Spans()
         outcomes: dict[int, Row | ImageError] = {r.index: r.error for r in req.refs if r.error is not None}
@@ -135,28 +164,35 @@ class Orchestrator:
                                arrived=spans.started) as admission:
             info = self.runner.info
             assert info is not None  # admitted: the model is ready
-            work = _Work(admission, info, spans, outcomes, deadline, gevent.getcurrent())
-            timeout = _deadline_timeout(deadline, "images")
-            prompts = None
+            progress.admitted()
+            work = _Work(admission, info, spans, outcomes, deadline, gevent.getcurrent(), progress, task, req)
+            for ref in req.refs:
+                if ref.error is not None:  # refused at parsing (partial): its line goes first
+                    work.settle(ref, ref.error)
             try:
-                with timeout:
+                with _deadline_timeout(deadline, "images"):
                     if req.text.prompts:
                         t0 = time.monotonic()
-                        prompts = self.texts.unit_vectors(req.text.prompts, deadline=deadline, admission=admission)
+                        work.prompts = self.texts.unit_vectors(req.text.prompts, deadline=deadline,
+                                                               admission=admission)
                         spans.add("text", t0, time.monotonic())
                     self._process(req, work, request_id)
             except _ImageFailed:
                 self._fail(req, outcomes)
-        return info, outcomes, spans, prompts
+        return info, outcomes, spans, work.prompts
 
-    def run_texts(self, req: InferenceRequest, *, deadline: float) -> dict[str, Any]:
+    def run_texts(self, req: InferenceRequest, *, deadline: float, progress: Progress | None = None) -> dict[str, Any]:
         """Text embeddings: ``{"data": [{"index", "embedding", "tokens", "truncated"}], ...}``."""
         spans = Spans()
         texts = req.text.texts
         with self.runner.admit(text_slots(len(texts)), coming=0, arrived=spans.started) as admission:
+            (progress or _Silent()).admitted()
             with _deadline_timeout(deadline, "texts"):
                 rows = self.texts.encode(texts, deadline=deadline, admission=admission, truncate=req.text.truncate)
-        return answers.texts(req, rows, spans)
+        body = answers.texts(req, rows, spans)
+        for item in body["data"]:  # one forward for them all: their lines come together
+            (progress or _Silent()).item(item)
+        return body
 
     def _process(self, req: InferenceRequest, work: _Work, request_id: str) -> None:
         group = gevent.pool.Group()
@@ -194,14 +230,14 @@ class Orchestrator:
             except ImageError as err:
                 return self._unusable(req, ref, err, work)
             row = self.runner.infer(pixels, work.deadline, work.admission).get()
-        work.outcomes[ref.index] = row
+        work.settle(ref, row)
         end = time.monotonic()
         work.spans.add("queue", end - row.inference_s - row.queue_s, end - row.inference_s)
         work.spans.add("inference", end - row.inference_s, end)
 
     @staticmethod
     def _unusable(req: InferenceRequest, ref: ImageRef, err: ImageError, work: _Work) -> None:
-        work.outcomes[ref.index] = err
+        work.settle(ref, err)
         if not req.partial:
             work.abort()
 

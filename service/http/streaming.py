@@ -1,0 +1,128 @@
+"""Streamed answers: each image's line as soon as its row is ready, then a last line with the rest.
+
+    NDJSON (``Accept: application/x-ndjson``)   one JSON object per line
+    SSE    (``Accept: text/event-stream``)      ``event: <kind>`` + ``data: <the same JSON>``; a comment line
+                                               every GREENSERVE_STREAM_HEARTBEAT_S while nothing is ready
+
+Lines, in completion order (each carries its ``index``):
+
+    {"event": "item", "index", "image", <its result as in "data"> | "error": {"code", "message"}}
+    {"event": "done", "model", "errors", "timings_ms", "request_id"}    (rank: also "data", best first)
+    {"event": "failed", "status", "error": {...}, "request_id"}         (the request failed after its start)
+
+The request runs in its own greenlet and tells a queue of each image's answer (``orchestrate.Progress``);
+the response's iterator waits on that queue: event-driven, no polling. ``start`` returns once the request
+is admitted, so a 503, a 400 or a refusal at parsing is still an ordinary error answer. A client that
+leaves (the next write fails, or its socket closes) stops what is left, as for an answer not streamed.
+No Flask here: ``routes`` wraps the iterator in a response.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import gevent
+import gevent.event
+import gevent.queue
+import orjson
+
+from service.errors import ClientGone, GreenserveError
+from service.http import dataplane
+from service.http.context import RequestContext
+from service.http.dataplane import Parts, Served
+from service.pipeline.requests import InferenceRequest
+
+NDJSON = "application/x-ndjson"
+SSE = "text/event-stream"
+FORMATS = (NDJSON, SSE)
+HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}  # nginx: pass each line on at once
+_END = object()
+
+
+@dataclass
+class _Lines:
+    """The request's ``Progress``: its answers queued for the response's iterator."""
+
+    queue: gevent.queue.Queue = field(default_factory=gevent.queue.Queue)
+    ready: gevent.event.Event = field(default_factory=gevent.event.Event)
+
+    def admitted(self) -> None:
+        self.ready.set()
+
+    def item(self, item: dict[str, Any]) -> None:
+        self.queue.put({"event": "item", **item})
+
+
+@dataclass
+class Stream:
+    """A started request: iterate ``lines()`` for the encoded lines; ``served()`` once it has ended."""
+
+    media_type: str
+    heartbeat_s: float
+    request_id: str
+    keep_data: bool  # rank: the last line has the ranking
+    _lines: _Lines
+    _work: gevent.Greenlet
+
+    def lines(self) -> Iterator[bytes]:
+        try:
+            while True:
+                try:
+                    got = self._lines.queue.get(timeout=self.heartbeat_s if self.media_type == SSE else None)
+                except gevent.queue.Empty:
+                    yield b": waiting\n\n"  # keeps proxies from timing the stream out; tells a gone client
+                    continue
+                if got is _END:
+                    break
+                yield self._encode(got)
+            yield self._encode(self._last())
+        finally:  # the client left (a write failed) or the answer is complete
+            if not self._work.dead:
+                self._work.kill(ClientGone("the client left during the streamed answer"), block=False)
+
+    def served(self) -> Served | None:
+        """What the access line says of the work, once the request's greenlet has ended."""
+        return self._work.value[1] if self._work.successful() else None
+
+    def _last(self) -> dict[str, Any]:
+        outcome, _ = self._work.get()
+        if isinstance(outcome, GreenserveError):
+            return {"event": "failed", "status": outcome.status_code, "error": outcome.to_dict(),
+                    "request_id": self.request_id}
+        return {"event": "done", **{k: v for k, v in outcome.items() if k != "data" or self.keep_data}}
+
+    def _encode(self, doc: dict[str, Any]) -> bytes:
+        data = orjson.dumps(doc, option=orjson.OPT_SERIALIZE_NUMPY)
+        if self.media_type == SSE:
+            return b"event: " + str(doc["event"]).encode() + b"\ndata: " + data + b"\n\n"
+        return data + b"\n"
+
+
+def start(p: Parts, ctx: RequestContext, req: InferenceRequest, task: str, media_type: str) -> Stream:
+    """Run ``req`` in its own greenlet; return once it holds its queue slots. What fails before that
+    (not ready, overloaded, a refused image with ``partial`` false) raises here."""
+    dataplane.check_task(p.runner.info, req, task)
+    lines = _Lines()
+    work = gevent.spawn(_run, p, ctx, req, task, lines)
+    gevent.wait([lines.ready, work], count=1)
+    if not lines.ready.is_set():  # it ended before admission: only by failing
+        outcome, _ = work.get()
+        assert isinstance(outcome, GreenserveError)
+        raise outcome
+    return Stream(media_type, p.settings.stream_heartbeat_s, ctx.request_id, task == "rank", lines, work)
+
+
+def _run(p: Parts, ctx: RequestContext, req: InferenceRequest, task: str,
+         lines: _Lines) -> tuple[dict[str, Any] | GreenserveError, Served]:
+    """The request's greenlet: its answer, or its failure as a value (a greenlet's exception would only be
+    printed by gevent); then the queue's end, whatever happens."""
+    try:
+        with p.balance.inference():  # siblings see this worker busy until the stream's work is done
+            answer = dataplane.run(p, ctx, req, task, progress=lines)
+        return answer.body, answer.served
+    except GreenserveError as err:
+        return err, Served(dataplane.size(req), {})
+    finally:
+        lines.queue.put(_END)
