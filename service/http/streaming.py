@@ -63,6 +63,7 @@ class Stream:
     heartbeat_s: float
     request_id: str
     keep_data: bool  # rank: the last line has the ranking
+    cancel: bool  # GREENSERVE_CANCEL_ON_DISCONNECT: a client that leaves stops the work left
     _lines: _Lines
     _work: gevent.Greenlet
 
@@ -79,7 +80,7 @@ class Stream:
                 yield self._encode(got)
             yield self._encode(self._last())
         finally:  # the client left (a write failed) or the answer is complete
-            if not self._work.dead:
+            if self.cancel and not self._work.dead:
                 self._work.kill(ClientGone("the client left during the streamed answer"), block=False)
 
     def served(self) -> Served | None:
@@ -111,7 +112,8 @@ def start(p: Parts, ctx: RequestContext, req: InferenceRequest, task: str, media
         outcome, _ = work.get()
         assert isinstance(outcome, GreenserveError)
         raise outcome
-    return Stream(media_type, p.settings.stream_heartbeat_s, ctx.request_id, task == "rank", lines, work)
+    return Stream(media_type, p.settings.stream_heartbeat_s, ctx.request_id, task == "rank",
+                  p.settings.cancel_on_disconnect, lines, work)
 
 
 def _run(p: Parts, ctx: RequestContext, req: InferenceRequest, task: str,
