@@ -12,6 +12,7 @@ from harness.launch import GunicornServer
 from tests import images
 
 GUARD_TOKEN = "s3cret-e2e"  # the ``guarded`` server's GREENSERVE_API_TOKEN
+CLIP_ARCH = "ViT-S-32-alt"  # 43 M parameters: the smallest open_clip CLIP with both towers
 E2E_MODEL = "resnet18"  # small real torchvision model; weights saved to a temp file (no download here)
 
 
@@ -24,6 +25,20 @@ def weights_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
     torch.manual_seed(1234)
     path = tmp_path_factory.mktemp("weights") / "resnet18.pt"
     torch.save(torchvision.models.resnet18(weights=None).state_dict(), path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def clip_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Seeded random weights saved the way open_clip's training saves them (``state_dict``, ``module.``)."""
+    import open_clip
+    import torch
+
+    torch.manual_seed(7)
+    model = open_clip.create_model(CLIP_ARCH, pretrained=None)
+    path = tmp_path_factory.mktemp("clip") / f"{CLIP_ARCH}.pt"
+    torch.save({"epoch": 1, "name": "test", "state_dict": {f"module.{k}": v for k, v in model.state_dict().items()}},
+               path)
     return path
 
 

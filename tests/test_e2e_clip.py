@@ -24,27 +24,13 @@ import requests
 
 from harness.imagehost import ImageHost
 from harness.launch import GunicornServer
+from tests.conftest import CLIP_ARCH as ARCH
 from tests.conftest import e2e_env
 
 pytestmark = pytest.mark.e2e
-ARCH = "ViT-S-32-alt"  # 43 M parameters: the smallest open_clip CLIP with both towers
 PHOTOS = [f"img{i:03d}.jpg" for i in range(8)] + ["big.jpg"]
 TEXTS = ["a photo of a cat", "a dog running on a beach at sunset", "holiday pictures from the mountains in winter"]
 LIMITS = {"GREENSERVE_MAX_TEXTS": "16", "GREENSERVE_MAX_TEXT_CHARS": "600", "GREENSERVE_MAX_LABELS": "20"}
-
-
-@pytest.fixture(scope="session")
-def clip_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Seeded random weights saved the way open_clip's training saves them (``state_dict``, ``module.``)."""
-    import open_clip
-    import torch
-
-    torch.manual_seed(7)
-    model = open_clip.create_model(ARCH, pretrained=None)
-    path = tmp_path_factory.mktemp("clip") / f"{ARCH}.pt"
-    torch.save({"epoch": 1, "name": "test", "state_dict": {f"module.{k}": v for k, v in model.state_dict().items()}},
-               path)
-    return path
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ import requests
 from harness.imagehost import ImageHost
 from harness.launch import GunicornServer
 from tests.conftest import e2e_env
-from tests.test_e2e_clip import ARCH, LIMITS, clip_checkpoint  # noqa: F401 (a fixture)
+from tests.test_e2e_clip import ARCH, LIMITS
 from tests.test_e2e_engine import _metric
 from tests.test_streaming import same_answer
 
