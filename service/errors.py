@@ -21,6 +21,7 @@
     │   │                             invalid_base64
     │   └── FetchError                fetch_failed, fetch_timeout, url_not_allowed, invalid_url
     ├── ImagesFailed (by its images)  the request failed because of its images (partial=false)
+    ├── OverShare (429)               over_share: the caller has its share of the worker's queue; Retry-After
     ├── Overloaded (503)              overloaded, not_ready; carries Retry-After
     │   └── OutOfMemory               out_of_memory: one image alone did not fit in the device's memory
     ├── DeadlineExceeded (504)        deadline_exceeded
@@ -126,6 +127,17 @@ class ImagesFailed(GreenserveError):
         message = (f"{n} image(s) could not be used; the first, {first_name}: {first.message}. Fix or drop them "
                    "(the native routes also take \"partial\": true to get results for the rest)")
         super().__init__(message, code=first.code, details=details)
+
+
+class OverShare(GreenserveError):
+    """The caller has its share of the worker's queue (the server itself may have room: that is 503)."""
+
+    status_code = 429
+    code = "over_share"
+
+    def __init__(self, message: str, *, retry_after_s: float) -> None:
+        super().__init__(message, headers={"Retry-After": str(max(1, round(retry_after_s)))})
+        self.retry_after_s = retry_after_s
 
 
 class Overloaded(GreenserveError):

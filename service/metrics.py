@@ -43,6 +43,10 @@ TEXTS = Counter("greenserve_texts_total", "Texts through the text tower")
 TEXT_CACHE = Counter("greenserve_text_cache_total", "Label and query embeddings looked up in the worker's cache",
                      ["result"])
 OVERLOADED = Counter("greenserve_rejected_total", "Requests refused before any work (503)", ["reason"])
+OVER_SHARE = Counter("greenserve_over_share_total", "Requests refused because their caller had its share of a "
+                     "worker's queue (429)")
+CALLER_REQUESTS = Counter("greenserve_caller_requests_total", "Requests by how their caller was told apart (the "
+                          "caller class: token, header, forwarded, address), never by caller", ["source"])
 LAST_FORWARD = Gauge("greenserve_last_forward_timestamp_seconds", "When a worker last ran an image batch (Unix "
                      "time; OIP statistics' last_inference)", multiprocess_mode="max")
 

@@ -40,6 +40,10 @@ def _cpu_count() -> int:
         return os.cpu_count() or 1
 
 
+CALLER_SOURCES = ("token", "header", "address")
+ALL_CALLER_SOURCES = ("token", "header", "forwarded", "address")
+
+
 def _setting(default: Any, doc: str, *, unit: str = "", parse: str = "str", lo: float | None = None,
              hi: float | None = None, factory: Callable[[], Any] | None = None) -> Any:
     meta = {"doc": doc, "unit": unit, "parse": parse, "lo": lo, "hi": hi}
@@ -144,6 +148,15 @@ class Settings:
                                           "(the batch already running finishes)", parse="bool")
     max_queue_images: int = _setting(256, "images admitted per worker (queued or running) before 503",
                                      parse="int", lo=1)
+    caller_from: tuple[str, ...] = _setting(
+        CALLER_SOURCES, "who a caller is, for fair sharing and GREENSERVE_MAX_CALLER_IMAGES: the first of these the "
+        "request has: token (its bearer token), header (X-Client-ID), forwarded (X-Real-IP, then the first "
+        "X-Forwarded-For address: only behind a proxy that sets them), address (the peer's IP)", parse="list",
+        factory=lambda: CALLER_SOURCES)
+    max_caller_images: int = _setting(0, "images one caller may have admitted (queued or running) per worker "
+                                      "before 429 + Retry-After (half of GREENSERVE_MAX_QUEUE_IMAGES leaves the "
+                                      "rest to others); 0 = no cap of its own: one caller may fill the queue, "
+                                      "and callers are still interleaved", parse="int", lo=0)
     request_timeout_s: float = _setting(60.0, "request deadline (a per-request X-Request-Timeout header "
                                         "may shorten it)", unit="s", parse="float", lo=0.1, hi=3600)
     stream_heartbeat_s: float = _setting(15.0, "how often a streamed answer (text/event-stream) sends a comment "
@@ -167,6 +180,10 @@ class Settings:
             return self.torch_threads
         return max(1, (cores or _cpu_count()) // self.workers)
 
+    def caller_share(self) -> int:
+        """Images one caller may have admitted on a worker."""
+        return self.max_caller_images or self.max_queue_images
+
     def decode_threads_per_worker(self, cores: int | None = None) -> int:
         """Explicit, else this worker's share of the cores, at least 2 (decode overlaps inference)."""
         return self.decode_threads or max(2, (cores or _cpu_count()) // self.workers)
@@ -187,6 +204,10 @@ class Settings:
             if lo is not None and value < lo or hi is not None and value > hi:
                 raise SettingsError(f"{env_name(f.name)}={value!r} is out of range; allowed "
                                     f"{_range_text(lo, hi)}")
+        unknown = sorted(set(self.caller_from) - set(ALL_CALLER_SOURCES))
+        if unknown or not self.caller_from:
+            raise SettingsError(f"GREENSERVE_CALLER_FROM={','.join(self.caller_from)!r}: use one or more of "
+                                f"{', '.join(ALL_CALLER_SOURCES)}")
         if not _DEVICE_RE.match(self.device):
             raise SettingsError(f"GREENSERVE_DEVICE={self.device!r} is not one of cpu, cuda, cuda:N, auto")
         if self.weights in ("", None):

@@ -56,7 +56,7 @@ class Policy:
     def gather(self) -> Gather:
         return self._gather
 
-    def taken(self) -> None:
+    def taken(self, tag: float) -> None:
         self.taken_calls += 1
 
 
@@ -153,11 +153,11 @@ def test_stats_track_per_image_time() -> None:
 def test_earlier_requests_images_go_first_whatever_order_they_arrive_in() -> None:
     fwd = Forward(delay_s=0.05)
     b = make(fwd, max_batch=2, max_wait_s=0.0)
-    blocker = b.submit(pixel(0), arrived=0.0)  # occupies the model while the rest queue up
+    blocker = b.submit(pixel(0), tag=0.0)  # occupies the model while the rest queue up
     gevent.sleep(0.01)
     late_request, early_request = Request(), Request()
-    late = [b.submit(pixel(20 + i), admission=late_request, arrived=2.0) for i in range(2)]
-    early = [b.submit(pixel(10 + i), admission=early_request, arrived=1.0) for i in range(2)]
+    late = [b.submit(pixel(20 + i), admission=late_request, tag=2.0) for i in range(2)]
+    early = [b.submit(pixel(10 + i), admission=early_request, tag=1.0) for i in range(2)]
     order: list[str] = []
     jobs = [gevent.spawn(lambda rs=rs, name=name: ([r.get() for r in rs], order.append(name)))
             for name, rs in (("late", late), ("early", early))]
@@ -259,11 +259,11 @@ def test_a_request_with_images_on_their_way_gets_batches_of_its_own() -> None:
     b = make(fwd, max_wait_s=0.005)
     a, later = Request(upstream=2), Request(upstream=0)
     b.submit(pixel(99)).get(timeout=2)  # warm: the next batch starts from an empty queue
-    results = [b.submit(pixel(1), admission=a, arrived=1.0), b.submit(pixel(2), admission=a, arrived=1.0)]
-    results += [b.submit(pixel(10 + i), admission=later, arrived=2.0) for i in range(3)]
+    results = [b.submit(pixel(1), admission=a, tag=1.0), b.submit(pixel(2), admission=a, tag=1.0)]
+    results += [b.submit(pixel(10 + i), admission=later, tag=2.0) for i in range(3)]
     assert [r.get(timeout=2).batch_size for r in results] == [2, 2, 3, 3, 3]
     a.upstream = 0
-    mixed = [b.submit(pixel(3), admission=a, arrived=1.0), b.submit(pixel(20), admission=later, arrived=2.0)]
+    mixed = [b.submit(pixel(3), admission=a, tag=1.0), b.submit(pixel(20), admission=later, tag=2.0)]
     assert [r.get(timeout=2).batch_size for r in mixed] == [2, 2]
     b.stop()
 

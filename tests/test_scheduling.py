@@ -117,7 +117,7 @@ def test_a_batch_gathering_a_later_requests_images_goes_when_an_earlier_requests
 
     runner.batcher.start()
     try:
-        with runner.admit(2, arrived=2.0) as later, runner.admit(2, arrived=1.0) as earlier:
+        with runner.admit(2, arrived=1.0) as earlier, runner.admit(2, arrived=2.0) as later:
             first = gevent.spawn(image, later, 0)
             while later.upstream == 2:  # decoded and queued: the collector takes it and gathers
                 gevent.sleep(0.001)

@@ -51,7 +51,7 @@ class BatchPolicy(Protocol):
 
     def gather(self) -> Gather: ...  # whether a batch whose request has images on their way waits for them
 
-    def taken(self) -> None: ...  # images just left the queue for a batch
+    def taken(self, tag: float) -> None: ...  # an image with this fair tag just left the queue for a batch
 
 
 @dataclass(frozen=True)
@@ -83,7 +83,7 @@ class _Item:
     pixels: Any  # a crop (H, W, 3), token ids, or a JPEG for the device (``types.EncodedJpeg``)
     deadline: float | None
     admission: Admission | None = None
-    rank: tuple[float, int] = (0.0, 0)  # (the request's arrival, the image's submission order)
+    rank: tuple[float, int] = (0.0, 0)  # (the image's fair tag, its submission order)
     result: AsyncResult = field(default_factory=AsyncResult)
     enqueued: float = field(default_factory=time.monotonic)
 
@@ -116,19 +116,20 @@ class Batcher:
         # None (unit tests): a non-full batch waits max_wait_s for more, and never gathers
         self._policy = policy
         self._last_submit = 0.0
-        # Images are served in the order their *requests* arrived, not the order their bytes did:
-        # concurrent requests' images arrive interleaved (fetches overlap), and serving them in that
-        # order would share the model between all requests (every one finishes near the end). Request
-        # order finishes the first request first, the way a FIFO queue of requests would.
+        # Images are served in their fair tags' order (``scheduling.FairTags``), not the order their bytes
+        # did: concurrent requests' images arrive interleaved (fetches overlap), and serving them in that
+        # order would share the model between all requests (every one finishes near the end). A caller's
+        # requests are tagged one after the other, so its first request finishes first, as a FIFO queue
+        # would; another caller's images are tagged between them.
         self._items: list[tuple[tuple[float, int], _Item]] = []
         self._order = itertools.count()
         self._arrived = Event()
         self._loop: gevent.Greenlet | None = None
         self.stats = BatchStats()
 
-    def queued_before(self, arrived: float) -> int:
-        """Queued images of requests that arrived before ``arrived``."""
-        return sum(1 for rank, _ in self._items if rank[0] < arrived)
+    def queued_before(self, tag: float) -> int:
+        """Queued images tagged before ``tag``."""
+        return sum(1 for rank, _ in self._items if rank[0] < tag)
 
     def start(self) -> None:
         if self._loop is None:
@@ -140,10 +141,10 @@ class Batcher:
             self._loop = None
 
     def submit(self, pixels: Any, deadline: float | None = None, admission: Admission | None = None,
-               arrived: float | None = None) -> AsyncResult:
-        """Queue one image of request ``admission`` (which ``arrived`` at that monotonic time; now if not given);
-        ``.get()`` the result to wait for its ``Row``."""
-        rank = (time.monotonic() if arrived is None else arrived, next(self._order))
+               tag: float | None = None) -> AsyncResult:
+        """Queue one image of request ``admission`` with its fair ``tag`` (lower first; the time now if not
+        given); ``.get()`` the result to wait for its ``Row``."""
+        rank = (time.monotonic() if tag is None else tag, next(self._order))
         item = _Item(pixels, deadline, admission, rank)
         heapq.heappush(self._items, (rank, item))
         self._last_submit = item.enqueued
@@ -180,15 +181,16 @@ class Batcher:
         until = time.monotonic() + self.max_wait_s
         gather_until = time.monotonic() + GATHER_MAX_S
         while len(batch) < self.max_batch:
+            if self._overtaken(first.admission, batch[-1]):
+                # another request's image is due before this one's next (an earlier request's, or another
+                # caller's): it leads the next batch. Waiting on would also risk waiting for images whose
+                # decode is held back behind it (``Scheduler._may_decode``)
+                break
             item = self._pop(first.admission if self._exclusive(first.admission) else None)
             if item is not None:
                 batch.append(self._take(item))
                 continue
             if self._policy is not None and self._policy.upstream() <= 0:
-                break
-            if self._items and self._items[0][0][0] < first.rank[0]:
-                # an earlier request's image came: it leads the next batch. Waiting on would also risk
-                # waiting for images whose decode is held back behind it (``Scheduler._may_decode``)
                 break
             now = time.monotonic()
             remaining = until - now
@@ -207,8 +209,15 @@ class Batcher:
 
     def _take(self, item: _Item) -> _Item:
         if self._policy is not None:
-            self._policy.taken()
+            self._policy.taken(item.rank[0])
         return item
+
+    def _overtaken(self, leader: Admission | None, last: _Item) -> bool:
+        """Whether the queue's first image is another request's, tagged no later than the batch's last."""
+        if not self._items:
+            return False
+        tag, head = self._items[0][0][0], self._items[0][1]
+        return head.admission is not leader and tag <= last.rank[0] and self._exclusive(leader)
 
     def _exclusive(self, admission: Admission | None) -> bool:
         """Whether a batch led by ``admission``'s image may only hold that admission's images.

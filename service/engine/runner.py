@@ -79,7 +79,7 @@ class Runner:
         self.batcher.stats.on_batch = metrics.observe_batch
         # texts get their own batcher on the same one-thread pool: their forwards take turns with the
         # images' batches and are never mixed into one
-        self._texts_coming = TextsComing()
+        self._texts_coming = TextsComing(self.scheduling)
         self.text_batcher = Batcher(self._forward_texts, self._infer_pool, max_batch=settings.max_text_batch,
                                     max_wait_s=settings.max_batch_wait_ms / 1000, policy=self._texts_coming)
         self.text_batcher.stats.on_batch = metrics.observe_text_batch
@@ -132,9 +132,9 @@ class Runner:
     # ------------------------------------------------------------------ work
 
     @contextlib.contextmanager
-    def admit(self, n_images: int, *, coming: int | None = None,
-              arrived: float | None = None) -> Iterator[Admission]:
-        with self.scheduling.admit(n_images, coming=coming, arrived=arrived, ready=self.ready,
+    def admit(self, n_images: int, *, coming: int | None = None, arrived: float | None = None,
+              caller: str = "") -> Iterator[Admission]:
+        with self.scheduling.admit(n_images, coming=coming, arrived=arrived, caller=caller, ready=self.ready,
                                    seconds_per_image=self.batcher.stats.seconds_per_image) as admission:
             yield admission
 
@@ -163,7 +163,7 @@ class Runner:
         return cast(T, outcome)
 
     def infer(self, pixels: np.ndarray | EncodedJpeg, deadline: float | None, admission: Admission) -> AsyncResult:
-        return self.batcher.submit(pixels, deadline, admission, admission.arrived)
+        return self.batcher.submit(pixels, deadline, admission, admission.next_tag())
 
     def tokenize(self, texts: Sequence[str], *, rank: Rank | None = None) -> Tokens:
         """Token ids (a decode thread); the caller submits them at once, without yielding to the hub."""
@@ -174,7 +174,7 @@ class Runner:
             self._texts_coming.n -= len(texts)
 
     def infer_text(self, ids: np.ndarray, deadline: float | None, admission: Admission) -> AsyncResult:
-        return self.text_batcher.submit(ids, deadline, admission, admission.arrived)
+        return self.text_batcher.submit(ids, deadline, admission, admission.next_tag())
 
     def _text_model(self) -> TextModel:
         # requests for text reach here only admitted (the model is loaded) and checked by the api, which
@@ -202,8 +202,9 @@ class TextsComing:
     """The text batcher's policy: texts being tokenised are on their way, and a batch waits for them (up to
     GREENSERVE_MAX_BATCH_WAIT_MS); with none coming it runs at once (a lone search query saved the 2 ms)."""
 
-    def __init__(self) -> None:
+    def __init__(self, scheduler: Scheduler) -> None:
         self.n = 0
+        self._scheduler = scheduler
 
     def upstream(self) -> int:
         return self.n
@@ -211,8 +212,8 @@ class TextsComing:
     def gather(self) -> Gather:
         return Gather.NO
 
-    def taken(self) -> None:
-        pass
+    def taken(self, tag: float) -> None:
+        self._scheduler.taken(tag)  # texts and images share the worker's one fair clock
 
 
 class _Raised:

@@ -1,17 +1,23 @@
-"""Request-order scheduling: a worker serves its requests first come, first served, at every stage.
+"""Fair request-order scheduling: a worker serves each caller's requests first come, first served, and
+interleaves callers image by image, at every stage.
 
     admit    a request reserves its images of the worker's queue (GREENSERVE_MAX_QUEUE_IMAGES), or is
-             refused with 503 + Retry-After before any work
-    fetch    it starts fetching once the worker's earlier requests have at most
+             refused with 503 + Retry-After before any work; a caller over its own share of the queue
+             (GREENSERVE_MAX_CALLER_IMAGES) is refused with 429 + Retry-After
+    order    each image gets a tag (``FairTags``, start-time fair queueing over images): a caller's
+             requests follow each other, and a caller with nothing queued starts at the image now being
+             taken, so its first image goes next whatever another caller has queued
+    fetch    a request starts fetching once the requests tagged before it have at most
              GREENSERVE_FETCH_CONCURRENCY images still to fetch or decode (``wait_to_fetch``)
-    decode   decode slots go in (arrival, image index) order; a later request's image waits while the
-             model already has as many images of earlier requests queued as there are decode threads
+    decode   decode slots go in tag order; a later image waits while the model already has as many images
+             tagged before it queued as there are decode threads
     batch    a batch led by a request that still has images on their way holds only that request's
-             images; while the forward runs on every core it keeps gathering them (``gather``)
+             images, and ends when another caller's image tagged before its next one is queued; while
+             the forward runs on every core it keeps gathering them (``gather``)
 
 Served in the order their bytes arrive, concurrent requests would share the cores and all finish late
-together; in arrival order the first finishes first, as a queue of requests would. The figures behind
-each rule are in docs/SCHEDULING.md.
+together; in order the first finishes first, as a queue of requests would. Callers interleaved, one caller
+with a 1,000-photo backfill does not hold back another's one photo. The figures are in docs/SCHEDULING.md.
 """
 
 from __future__ import annotations
@@ -27,10 +33,10 @@ from typing import Any, Protocol
 from gevent.event import Event
 
 from service import metrics
-from service.errors import Overloaded
+from service.errors import Overloaded, OverShare
 from service.settings import Settings
 
-Rank = tuple[float, int]  # (the request's arrival, the image's index): lower goes first
+Rank = tuple[float, int]  # (the image's fair tag, the image's index): lower goes first
 NOT_READY_RETRY_S = 5
 
 
@@ -58,17 +64,43 @@ class CorePlan(Protocol):
     def all_cores(self) -> bool: ...
 
 
+class FairTags:
+    """Start-time fair queueing over images. A request of ``n`` images from ``caller`` starts at
+    max(now, the caller's last finish) and its image i is tagged start + i; "now" is the tag of the image
+    the batcher took last. A caller's requests so follow each other, and callers interleave one image each.
+    Only callers with a finish ahead of now are remembered: the map is bounded by the admitted requests."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self._finish: dict[str, float] = {}
+
+    def start(self, caller: str, n: int) -> float:
+        begin = max(self.now, self._finish.get(caller, 0.0))
+        self._finish[caller] = begin + max(n, 1)
+        return begin
+
+    def taken(self, tag: float) -> None:
+        if tag > self.now:
+            self.now = tag
+            if len(self._finish) > 64:  # forget callers whose work is all behind now
+                self._finish = {c: f for c, f in self._finish.items() if f > tag}
+
+
 class Admission:
-    """One admitted request's place: when it arrived, how many of its images are still on their way
-    (being fetched or decoded), and whether it ended early."""
+    """One admitted request's place: when it arrived, its caller and fair start tag, how many of its
+    images are still on their way (being fetched or decoded), and whether it ended early."""
 
-    __slots__ = ("arrived", "upstream", "cancelled", "_scheduler")
+    __slots__ = ("arrived", "caller", "start", "upstream", "cancelled", "_submitted", "_scheduler")
 
-    def __init__(self, scheduler: Scheduler, upstream: int, arrived: float) -> None:
+    def __init__(self, scheduler: Scheduler, upstream: int, arrived: float, caller: str = "",
+                 start: float = 0.0) -> None:
         self._scheduler = scheduler
         self.arrived = arrived
+        self.caller = caller
+        self.start = start
         self.upstream = upstream
         self.cancelled = False
+        self._submitted = 0
 
     @contextlib.contextmanager
     def image(self) -> Iterator[None]:
@@ -80,12 +112,21 @@ class Admission:
             self._scheduler.settle(1)
 
     def rank(self, index: int) -> Rank:
-        return (self.arrived, index)
+        """Image ``index``'s place for a decode slot."""
+        return (self.start + index, index)
+
+    def next_tag(self) -> float:
+        """The tag of the request's next image to reach the batcher (in the order they come)."""
+        self._submitted += 1
+        return self.start + self._submitted - 1
 
 
 class Scheduler:
     def __init__(self, settings: Settings, decode_threads: int, cores: CorePlan) -> None:
         self._max_queue = settings.max_queue_images
+        self._max_caller = settings.caller_share()
+        self._tags = FairTags()
+        self._by_caller: dict[str, int] = {}  # admitted images per caller
         self._fetch_ahead = settings.fetch_concurrency
         self._decode_threads = decode_threads
         self._cores = cores
@@ -103,22 +144,17 @@ class Scheduler:
     # ------------------------------------------------------------------ admit
 
     @contextlib.contextmanager
-    def admit(self, n_images: int, *, coming: int | None = None, arrived: float | None = None,
+    def admit(self, n_images: int, *, coming: int | None = None, arrived: float | None = None, caller: str = "",
               ready: bool = True, seconds_per_image: float = 0.05) -> Iterator[Admission]:
-        """Reserve ``n_images`` (of which ``coming`` will travel to the batcher; default all), or refuse
-        with 503. A request that ends with an exception has its queued images dropped."""
-        if not ready:
-            metrics.OVERLOADED.labels("not_ready").inc()
-            raise Overloaded("the model is still loading on this worker; retry shortly",
-                             retry_after_s=NOT_READY_RETRY_S, code="not_ready")
-        if self._admitted and self._admitted + n_images > self._max_queue:
-            metrics.OVERLOADED.labels("queue_full").inc()
-            wait = self._admitted * seconds_per_image
-            raise Overloaded(f"this worker has {self._admitted} image(s) queued or running (limit "
-                             f"{self._max_queue}); retry after ~{wait:.1f}s or spread load over more "
-                             "workers/replicas", retry_after_s=wait)
+        """Reserve ``n_images`` (of which ``coming`` will travel to the batcher; default all) for ``caller``,
+        or refuse with 503 (the worker is full) or 429 (the caller is over its share). A request that
+        ends with an exception has its queued images dropped."""
+        mine = self._by_caller.get(caller, 0)
+        self._refuse_beyond(n_images, mine, ready, seconds_per_image)
         coming = n_images if coming is None else coming
-        admission = Admission(self, coming, time.monotonic() if arrived is None else arrived)
+        admission = Admission(self, coming, time.monotonic() if arrived is None else arrived, caller,
+                              self._tags.start(caller, n_images))
+        self._by_caller[caller] = mine + n_images
         self._admitted += n_images
         self._upstream += coming
         self._admissions.append(admission)
@@ -132,10 +168,33 @@ class Scheduler:
             raise
         finally:
             self._admitted -= n_images
+            left = self._by_caller.pop(caller) - n_images
+            if left:
+                self._by_caller[caller] = left
             self._admissions.remove(admission)
             self.settle(admission.upstream)  # images that never came (killed on the way)
             admission.upstream = 0
             metrics.QUEUE_IMAGES.dec(n_images)
+
+    def _refuse_beyond(self, n_images: int, mine: int, ready: bool, seconds_per_image: float) -> None:
+        """503 while loading or with the worker full; 429 with the caller (``mine`` admitted) over its share.
+        Alone, a request bigger than either bound is admitted: it could never run otherwise."""
+        if not ready:
+            metrics.OVERLOADED.labels("not_ready").inc()
+            raise Overloaded("the model is still loading on this worker; retry shortly",
+                             retry_after_s=NOT_READY_RETRY_S, code="not_ready")
+        if self._admitted and self._admitted + n_images > self._max_queue:
+            metrics.OVERLOADED.labels("queue_full").inc()
+            wait = self._admitted * seconds_per_image
+            raise Overloaded(f"this worker has {self._admitted} image(s) queued or running (limit "
+                             f"{self._max_queue}); retry after ~{wait:.1f}s or spread load over more "
+                             "workers/replicas", retry_after_s=wait)
+        if mine and mine + n_images > self._max_caller:
+            metrics.OVER_SHARE.inc()
+            wait = mine * seconds_per_image
+            raise OverShare(f"this caller has {mine} image(s) queued or running on this worker (its share: "
+                            f"{self._max_caller}); retry after ~{wait:.1f}s or send fewer images at a time",
+                            retry_after_s=wait)
 
     def settle(self, n: int) -> None:
         """``n`` admitted images reached the batcher or failed on the way."""
@@ -151,7 +210,7 @@ class Scheduler:
         """Until earlier requests have at most ``fetch_concurrency`` images still on their way. Fetching
         every queued request's images at once held all their bytes (8 albums: 733 MB) and kept the hub
         reading when it should answer; starting just before they are needed hides the hosts' latency."""
-        while sum(a.upstream for a in self._admissions if a.arrived < admission.arrived) > self._fetch_ahead:
+        while sum(a.upstream for a in self._admissions if a.start < admission.start) > self._fetch_ahead:
             self._settling.wait()
 
     # ------------------------------------------------------------------ decode
@@ -188,8 +247,10 @@ class Scheduler:
             return Gather.NO
         return Gather.WHILE_DECODING if self._decoding else Gather.BRIDGE_GAPS
 
-    def taken(self) -> None:
-        """Images left the batcher's queue: a held-back decode may go now."""
+    def taken(self, tag: float) -> None:
+        """An image tagged ``tag`` left the batcher's queue for a batch: fair time moves on to it, and a
+        held-back decode may go now."""
+        self._tags.taken(tag)
         self._decode.recheck()
 
 

@@ -56,9 +56,10 @@ def run(p: Parts, ctx: RequestContext, req: InferenceRequest, task: str, *,
     """The native response body for ``task``: ``{"model", "data", "errors", "timings_ms", "request_id"}``;
     ``progress`` hears of each image's answer as it is ready (a streamed answer)."""
     check_task(p.runner.info, req, task)
-    with cancel_on_hang_up(_client(p.settings, ctx)):
+    metrics.CALLER_REQUESTS.labels(ctx.caller_source).inc()
+    with cancel_on_hang_up(client(p.settings, ctx)):
         body = p.orchestrator.run(req, task, deadline=ctx.deadline(p.settings.request_timeout_s, timeout_s),
-                                  request_id=ctx.request_id, progress=progress)
+                                  request_id=ctx.request_id, caller=ctx.caller, progress=progress)
     _observe(body["timings_ms"])
     body = {"model": p.runner.info.name if p.runner.info else "", **body, "request_id": ctx.request_id}
     return Answer(body, Served(size(req), body["timings_ms"]))
@@ -69,9 +70,10 @@ def run_rows(p: Parts, ctx: RequestContext, req: InferenceRequest, tasks: tuple[
     """Each image's raw row (features and logits from one forward), for protocols with their own outputs."""
     for task in tasks:
         check_task(p.runner.info, req, task)
-    with cancel_on_hang_up(_client(p.settings, ctx)):
+    metrics.CALLER_REQUESTS.labels(ctx.caller_source).inc()
+    with cancel_on_hang_up(client(p.settings, ctx)):
         rows = p.orchestrator.run_rows(req, deadline=ctx.deadline(p.settings.request_timeout_s, timeout_s),
-                                       request_id=ctx.request_id)
+                                       request_id=ctx.request_id, caller=ctx.caller)
     _observe(rows.timings_ms)
     return rows, Served(size(req), rows.timings_ms)
 
@@ -141,7 +143,8 @@ def task_for_model(name: str, asked: str) -> str:
                    f"{name + EMBEDDING_SUFFIX!r} (embeddings)", code="model_not_found")
 
 
-def _client(settings: Settings, ctx: RequestContext) -> Any:
+def client(settings: Settings, ctx: RequestContext) -> Any:
+    """The client's socket to watch for a hang-up, or None when GREENSERVE_CANCEL_ON_DISCONNECT is off."""
     return ctx.client if settings.cancel_on_disconnect else None
 
 

@@ -24,15 +24,17 @@ from service.http.context import RequestContext
 
 log = logging.getLogger(__name__)
 bp = Blueprint("hooks", __name__)
+_CONTEXT_HEADERS = ("X-Request-ID", "X-Request-Timeout", "Authorization", "X-Client-ID", "X-Real-IP", "X-Forwarded-For")
 
 # ---------------------------------------------------------------------- request lifecycle
 
 
 @bp.before_app_request
 def _start() -> None:
-    headers = {k: request.headers[k] for k in ("X-Request-ID", "X-Request-Timeout") if k in request.headers}
-    g.context = RequestContext.begin(headers, request.environ.get("gunicorn.socket"), time.monotonic())
     settings = current_app.extensions["greenserve"]["settings"]
+    headers = {k: request.headers[k] for k in _CONTEXT_HEADERS if k in request.headers}
+    g.context = RequestContext.begin(headers, request.environ.get("gunicorn.socket"), time.monotonic(),
+                                     remote_addr=request.remote_addr, caller_from=settings.caller_from)
     if settings.api_token and protocols.needs_token(request.path):
         scheme, _, supplied = request.headers.get("Authorization", "").strip().partition(" ")
         # the scheme is case-insensitive (RFC 9110); a bare token with no scheme is not a bearer token

@@ -24,7 +24,7 @@ from service.settings import Settings
 OPENAPI_VERSION = "3.1.0"
 # what an inference request can be answered with besides 200: every status of the error tree that a
 # parsed request reaches (404 only where a model is named; 401 is added with a token; 405 is routing's)
-INFERENCE_STATUSES = (400, 408, 413, 415, 422, 499, 500, 503, 504)
+INFERENCE_STATUSES = (400, 408, 413, 415, 422, 429, 499, 500, 503, 504)
 STATUS_TEXT = {
     400: "the request is malformed or asks for what the model cannot do (see error.code)",
     401: "missing or wrong bearer token (Authorization: Bearer <GREENSERVE_API_TOKEN>)",
@@ -33,6 +33,8 @@ STATUS_TEXT = {
     413: "the body, an image, a text or the number of images/texts/labels is over its limit",
     415: "the Content-Type, or every failing image's format, is not accepted",
     422: "images could not be used (fetch failed, not an image...): error.details has one item per image",
+    429: "this caller has its share of the worker's queue (GREENSERVE_MAX_CALLER_IMAGES): retry after "
+         "Retry-After seconds (the server may have room for others: that would be 503)",
     499: "the client disconnected; its remaining work was stopped (logged, never read by anyone)",
     500: "internal error or the model failed on the batch; the request id is in the log line",
     503: "the worker is overloaded or its model is still loading: retry after Retry-After seconds",
@@ -150,13 +152,15 @@ def _paths(settings: Settings) -> dict[str, Any]:
 def _inference(task: str) -> dict[str, Any]:
     name = task.capitalize()
     statuses = sorted((*INFERENCE_STATUSES, 404) if task == "embeddings" else INFERENCE_STATUSES)
-    errors = {status: _error(status, retry_after=status == 503) for status in statuses}
+    errors = {status: _error(status, retry_after=status in (429, 503)) for status in statuses}
     body = {"required": True, "content": {
         "application/json": {"schema": ref(f"{name}Request")},
         "multipart/form-data": {"schema": ref(f"{name}Form"),
                                 "encoding": {"images": {"contentType": "application/octet-stream"}}}}}
-    return _operation(task, _SUMMARIES[task], {200: _json("results, in request order", ref(f"{name}Response")),
-                                               **errors},
+    ok = _json("results, in request order; streamed (Accept: application/x-ndjson or text/event-stream): a line "
+               "per image as it is ready, then a last line with the rest (docs/PROTOCOLS.md)", ref(f"{name}Response"))
+    ok["content"] |= {media: {"schema": {"type": "string"}} for media in ("application/x-ndjson", "text/event-stream")}
+    return _operation(task, _SUMMARIES[task], {200: ok, **errors},
                       parameters=("RequestId", "RequestTimeout"), requestBody=body)
 
 

@@ -132,36 +132,37 @@ class Orchestrator:
         self.max_pixels = max_pixels
         self.on_image_error = on_image_error
 
-    def run(self, req: InferenceRequest, task: str, *, deadline: float, request_id: str = "",
+    def run(self, req: InferenceRequest, task: str, *, deadline: float, request_id: str = "", caller: str = "",
             progress: Progress | None = None) -> dict[str, Any]:
         """The response body (without ``model``/``request_id``) for ``req``; raises request-level errors.
-        ``progress`` hears of each image's answer as soon as it is ready.
+        ``caller`` shares the worker fairly with other callers; ``progress`` hears of each image's answer as
+        soon as it is ready.
 
         With ``partial`` false the first unusable image ends the request at once: its other fetches are
         cancelled, its decodes stopped and its queued images dropped before the model."""
         progress = progress or _Silent()
         if req.text.texts:
-            return self.run_texts(req, deadline=deadline, progress=progress)
-        info, outcomes, spans, prompts = self._collect(req, task, deadline, request_id, progress)
+            return self.run_texts(req, deadline=deadline, caller=caller, progress=progress)
+        info, outcomes, spans, prompts = self._collect(req, task, deadline, request_id, caller, progress)
         return self._respond(req, task, info, outcomes, spans, prompts)
 
-    def run_rows(self, req: InferenceRequest, *, deadline: float, request_id: str = "") -> Rows:
+    def run_rows(self, req: InferenceRequest, *, deadline: float, request_id: str = "", caller: str = "") -> Rows:
         """Each image's row (features and logits of one forward), in request order, for a protocol that
         encodes its own outputs (OIP v2 tensors). Any unusable image fails the whole request."""
         assert not req.partial and not req.text.texts and not req.text.prompts
-        info, outcomes, spans, _ = self._collect(req, "embeddings", deadline, request_id, _Silent())
+        info, outcomes, spans, _ = self._collect(req, "embeddings", deadline, request_id, caller, _Silent())
         rows = tuple(row for ref in req.refs if isinstance(row := outcomes[ref.index], Row))
         assert len(rows) == len(req.refs)  # not partial: a failure raised ImagesFailed
         return Rows(info, rows, spans.timings(texts=False))
 
-    def _collect(self, req: InferenceRequest, task: str, deadline: float, request_id: str, progress: Progress
-                 ) -> tuple[ModelInfo, dict[int, Row | ImageError], Spans, np.ndarray | None]:
+    def _collect(self, req: InferenceRequest, task: str, deadline: float, request_id: str, caller: str,
+                 progress: Progress) -> tuple[ModelInfo, dict[int, Row | ImageError], Spans, np.ndarray | None]:
         spans = Spans()
         outcomes: dict[int, Row | ImageError] = {r.index: r.error for r in req.refs if r.error is not None}
         if outcomes and not req.partial:
             self._fail(req, outcomes)  # refused at parsing: no work is worth starting
-        with self.runner.admit(len(req.refs), coming=len(req.refs) - len(outcomes),
-                               arrived=spans.started) as admission:
+        with self.runner.admit(len(req.refs), coming=len(req.refs) - len(outcomes), arrived=spans.started,
+                               caller=caller) as admission:
             info = self.runner.info
             assert info is not None  # admitted: the model is ready
             progress.admitted()
@@ -181,11 +182,12 @@ class Orchestrator:
                 self._fail(req, outcomes)
         return info, outcomes, spans, work.prompts
 
-    def run_texts(self, req: InferenceRequest, *, deadline: float, progress: Progress | None = None) -> dict[str, Any]:
+    def run_texts(self, req: InferenceRequest, *, deadline: float, caller: str = "",
+                  progress: Progress | None = None) -> dict[str, Any]:
         """Text embeddings: ``{"data": [{"index", "embedding", "tokens", "truncated"}], ...}``."""
         spans = Spans()
         texts = req.text.texts
-        with self.runner.admit(text_slots(len(texts)), coming=0, arrived=spans.started) as admission:
+        with self.runner.admit(text_slots(len(texts)), coming=0, arrived=spans.started, caller=caller) as admission:
             (progress or _Silent()).admitted()
             with _deadline_timeout(deadline, "texts"):
                 rows = self.texts.encode(texts, deadline=deadline, admission=admission, truncate=req.text.truncate)
