@@ -51,10 +51,12 @@ def error_code(body: Any) -> str:
 class _Client:
     """One connection posting one body; a connection error drops the connection and the next post opens one."""
 
-    def __init__(self, url: str, path: str, body: bytes, images: int, timeout_s: float, fresh: bool) -> None:
+    def __init__(self, url: str, path: str, body: bytes, images: int, timeout_s: float, fresh: bool,
+                 headers: dict[str, str]) -> None:
         parts = urlsplit(url)
         self.host, self.port = parts.hostname or "127.0.0.1", parts.port or 80
         self.path, self.body, self.images, self.timeout_s, self.fresh = path, body, images, timeout_s, fresh
+        self.headers = {"Content-Type": "application/json", **headers}
         self.conn: http.client.HTTPConnection | None = None
 
     def post(self) -> Done:
@@ -62,7 +64,7 @@ class _Client:
         if self.conn is None:
             self.conn = http.client.HTTPConnection(self.host, self.port, timeout=self.timeout_s)
         try:
-            self.conn.request("POST", self.path, body=self.body, headers={"Content-Type": "application/json"})
+            self.conn.request("POST", self.path, body=self.body, headers=self.headers)
             resp = self.conn.getresponse()
             data = resp.read()
         except (OSError, http.client.HTTPException) as exc:
@@ -87,15 +89,18 @@ class _Client:
 
 
 class Load:
-    """``clients`` threads posting ``body`` to ``url + path`` back to back for ``duration_s`` or until
-    ``stop()``; a context manager. ``done`` holds every finished request in the order they ended."""
+    """``clients`` threads posting ``body`` (with ``headers``: X-Client-ID, say) to ``url + path`` back to
+    back for ``duration_s`` or until ``stop()``; a context manager. ``done`` holds every finished request in
+    the order they ended."""
 
     def __init__(self, url: str, clients: int, body: dict[str, Any], *, path: str = "/v1/embeddings",
-                 duration_s: float = 30.0, fresh: bool = False, timeout_s: float = 60.0) -> None:
+                 duration_s: float = 30.0, fresh: bool = False, timeout_s: float = 60.0,
+                 headers: dict[str, str] | None = None) -> None:
         self.duration_s, self.timeout_s = duration_s, timeout_s
         payload = json.dumps(body).encode()
         images = len(body.get("images") or body.get("input") or [])
-        self._clients = [_Client(url, path, payload, images, timeout_s, fresh) for _ in range(clients)]
+        self._clients = [_Client(url, path, payload, images, timeout_s, fresh, headers or {})
+                         for _ in range(clients)]
         self._threads = [threading.Thread(target=self._run, args=(c,), daemon=True) for c in self._clients]
         self._halt = threading.Event()
         self._lock = threading.Lock()
@@ -135,6 +140,17 @@ class Load:
         """The requests started at ``t`` (time.monotonic()) or later."""
         with self._lock:
             return [d for d in self.done if d.started >= t]
+
+
+def post_once(url: str, body: dict[str, Any], *, path: str = "/v1/embeddings", timeout_s: float = 60.0,
+              headers: dict[str, str] | None = None) -> Done:
+    """One request on a fresh connection, recorded as the load's requests are."""
+    images = len(body.get("images") or body.get("input") or [])
+    client = _Client(url, path, json.dumps(body).encode(), images, timeout_s, True, headers or {})
+    try:
+        return client.post()
+    finally:
+        client.close()
 
 
 def load_summary(done: list[Done]) -> dict[str, Any]:

@@ -154,14 +154,15 @@ class Settings:
         "X-Forwarded-For address: only behind a proxy that sets them), address (the peer's IP)", parse="list",
         factory=lambda: CALLER_SOURCES)
     max_caller_images: int = _setting(0, "images one caller may have admitted (queued or running) per worker "
-                                      "before 429 + Retry-After (half of GREENSERVE_MAX_QUEUE_IMAGES leaves the "
-                                      "rest to others); 0 = no cap of its own: one caller may fill the queue, "
-                                      "and callers are still interleaved", parse="int", lo=0)
+                                      "before 429 + Retry-After; 0 = no cap of its own (callers are still "
+                                      "interleaved)", parse="int", lo=0)
+    fair_quantum_ms: float = _setting(250.0, "while callers share a worker, a forward holds about this much work "
+                                      "(at least one image): another caller's image waits for one short "
+                                      "forward, not an album's", unit="ms", parse="float", lo=1, hi=60_000)
     request_timeout_s: float = _setting(60.0, "request deadline (a per-request X-Request-Timeout header "
                                         "may shorten it)", unit="s", parse="float", lo=0.1, hi=3600)
-    stream_heartbeat_s: float = _setting(15.0, "how often a streamed answer (text/event-stream) sends a comment "
-                                         "line while no image is ready, for proxies' read timeouts", unit="s",
-                                         parse="float", lo=0.1, hi=300)
+    stream_heartbeat_s: float = _setting(15.0, "how often a text/event-stream answer sends a comment line while "
+                                         "no image is ready", unit="s", parse="float", lo=0.1, hi=300)
     worker_timeout_s: int = _setting(120, "gunicorn worker timeout (a hub silent this long is killed)",
                                      unit="s", parse="int", lo=10)
     graceful_timeout_s: int = _setting(30, "gunicorn graceful shutdown time for in-flight requests",

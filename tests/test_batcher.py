@@ -42,6 +42,9 @@ class Request:
         self.upstream = upstream
         self.cancelled = False
 
+    def first_at_once(self) -> bool:
+        return False
+
 
 class Policy:
     """A scheduling answer fixed by the test (the real one is ``scheduling.Scheduler``)."""
@@ -58,6 +61,9 @@ class Policy:
 
     def taken(self, tag: float) -> None:
         self.taken_calls += 1
+
+    def batch_cap(self) -> int | None:
+        return None
 
 
 def pixel(v: int) -> np.ndarray:

@@ -12,13 +12,15 @@ import pytest
 from flask.testing import FlaskClient
 
 from service.app import create_app
+from service.engine.fairness import Callers, FairTags
 from service.engine.runner import Runner
-from service.engine.scheduling import Admission, FairTags, Scheduler
+from service.engine.scheduling import Admission, Gather, Scheduler
 from service.errors import Overloaded, OverShare
 from service.http.context import caller_of
 from service.settings import Settings, SettingsError
 from tests.fakes import FakeFetcher, FakeModel
 from tests.test_api import BASE, solid
+from tests.test_batcher import Forward, Policy, Request, make, pixel
 from tests.test_scheduling import AllCores
 
 
@@ -130,3 +132,42 @@ def test_over_http_the_heavy_caller_gets_429_and_the_others_are_served() -> None
     metrics = client.get("/metrics").text
     assert refusals(client) == before + 1
     assert 'greenserve_caller_requests_total{source="header"}' in metrics and "backfill" not in metrics
+
+
+def test_forwards_are_short_only_while_callers_share_the_worker() -> None:
+    callers = Callers(Settings(fair_quantum_ms=250))
+    callers.admit("backfill", 30, seconds_per_image=0.05)
+    assert callers.batch_cap() is None, "one caller: its batches are as big as they come"
+    callers.admit("search", 1, seconds_per_image=0.05)
+    assert callers.batch_cap() == 5  # 250 ms of 50 ms images
+    callers.admit("search", 1, seconds_per_image=0.4)
+    assert callers.batch_cap() == 1, "at least one image"
+
+
+class _Streamed(Request):
+    def __init__(self) -> None:
+        super().__init__(upstream=5)
+        self.first = True
+
+    def first_at_once(self) -> bool:
+        first, self.first = self.first, False
+        return first
+
+
+def test_a_streamed_requests_first_batch_goes_with_one_image() -> None:
+    """With images on their way a batch would gather them (up to 2 s); a streamed request's first row goes
+    at once, and its next batch gathers as usual."""
+    fwd = Forward(delay_s=0.02)
+    b = make(fwd, max_batch=8, max_wait_s=0.5, policy=Policy(lambda: 5, Gather.BRIDGE_GAPS))
+    streamed = _Streamed()
+    t0 = time.monotonic()
+    first = b.submit(pixel(1), admission=streamed, tag=0.0)
+    first.get(timeout=2)
+    assert time.monotonic() - t0 < 0.3 and fwd.sizes == [1]
+    rest = [b.submit(pixel(2 + i), admission=streamed, tag=1.0 + i) for i in range(3)]
+    streamed.upstream = 0
+    b.wake()
+    for r in rest:
+        r.get(timeout=3)
+    assert fwd.sizes[1:] == [3], fwd.sizes
+    b.stop()

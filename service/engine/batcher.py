@@ -43,6 +43,8 @@ class Admission(Protocol):
     @property
     def cancelled(self) -> bool: ...  # the request ended: its images are not worth a forward
 
+    def first_at_once(self) -> bool: ...  # once, for a streamed request: its first batch goes with one image
+
 
 class BatchPolicy(Protocol):
     """What the batcher asks of the worker's scheduling (``scheduling.Scheduler``)."""
@@ -52,6 +54,8 @@ class BatchPolicy(Protocol):
     def gather(self) -> Gather: ...  # whether a batch whose request has images on their way waits for them
 
     def taken(self, tag: float) -> None: ...  # an image with this fair tag just left the queue for a batch
+
+    def batch_cap(self) -> int | None: ...  # fewer images per forward than max_batch for now (callers sharing)
 
 
 @dataclass(frozen=True)
@@ -178,9 +182,12 @@ class Batcher:
             self._arrived.wait()
         first = self._take(heapq.heappop(self._items)[1])
         batch = [first]
+        if first.admission is not None and first.admission.first_at_once():
+            return batch  # a streamed request's first row, as soon as its image is here
+        cap = min(self.max_batch, (self._policy.batch_cap() if self._policy else None) or self.max_batch)
         until = time.monotonic() + self.max_wait_s
         gather_until = time.monotonic() + GATHER_MAX_S
-        while len(batch) < self.max_batch:
+        while len(batch) < cap:
             if self._overtaken(first.admission, batch[-1]):
                 # another request's image is due before this one's next (an earlier request's, or another
                 # caller's): it leads the next batch. Waiting on would also risk waiting for images whose

@@ -215,6 +215,9 @@ class TextsComing:
     def taken(self, tag: float) -> None:
         self._scheduler.taken(tag)  # texts and images share the worker's one fair clock
 
+    def batch_cap(self) -> int | None:
+        return None  # a text forward is ~10 ms: short enough whoever waits
+
 
 class _Raised:
     __slots__ = ("error",)

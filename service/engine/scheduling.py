@@ -4,7 +4,7 @@ interleaves callers image by image, at every stage.
     admit    a request reserves its images of the worker's queue (GREENSERVE_MAX_QUEUE_IMAGES), or is
              refused with 503 + Retry-After before any work; a caller over its own share of the queue
              (GREENSERVE_MAX_CALLER_IMAGES) is refused with 429 + Retry-After
-    order    each image gets a tag (``FairTags``, start-time fair queueing over images): a caller's
+    order    each image gets a tag (``fairness.FairTags``, start-time fair queueing over images): a caller's
              requests follow each other, and a caller with nothing queued starts at the image now being
              taken, so its first image goes next whatever another caller has queued
     fetch    a request starts fetching once the requests tagged before it have at most
@@ -33,7 +33,8 @@ from typing import Any, Protocol
 from gevent.event import Event
 
 from service import metrics
-from service.errors import Overloaded, OverShare
+from service.engine.fairness import Callers
+from service.errors import Overloaded
 from service.settings import Settings
 
 Rank = tuple[float, int]  # (the image's fair tag, the image's index): lower goes first
@@ -64,33 +65,11 @@ class CorePlan(Protocol):
     def all_cores(self) -> bool: ...
 
 
-class FairTags:
-    """Start-time fair queueing over images. A request of ``n`` images from ``caller`` starts at
-    max(now, the caller's last finish) and its image i is tagged start + i; "now" is the tag of the image
-    the batcher took last. A caller's requests so follow each other, and callers interleave one image each.
-    Only callers with a finish ahead of now are remembered: the map is bounded by the admitted requests."""
-
-    def __init__(self) -> None:
-        self.now = 0.0
-        self._finish: dict[str, float] = {}
-
-    def start(self, caller: str, n: int) -> float:
-        begin = max(self.now, self._finish.get(caller, 0.0))
-        self._finish[caller] = begin + max(n, 1)
-        return begin
-
-    def taken(self, tag: float) -> None:
-        if tag > self.now:
-            self.now = tag
-            if len(self._finish) > 64:  # forget callers whose work is all behind now
-                self._finish = {c: f for c, f in self._finish.items() if f > tag}
-
-
 class Admission:
     """One admitted request's place: when it arrived, its caller and fair start tag, how many of its
     images are still on their way (being fetched or decoded), and whether it ended early."""
 
-    __slots__ = ("arrived", "caller", "start", "upstream", "cancelled", "_submitted", "_scheduler")
+    __slots__ = ("arrived", "caller", "start", "upstream", "cancelled", "streamed", "_submitted", "_scheduler")
 
     def __init__(self, scheduler: Scheduler, upstream: int, arrived: float, caller: str = "",
                  start: float = 0.0) -> None:
@@ -100,7 +79,15 @@ class Admission:
         self.start = start
         self.upstream = upstream
         self.cancelled = False
+        self.streamed = False  # its answer is streamed: its first row should not wait for a gathered batch
         self._submitted = 0
+
+    def first_at_once(self) -> bool:
+        """True once for a streamed request, when its first batch forms: that batch goes with one image."""
+        if not self.streamed:
+            return False
+        self.streamed = False
+        return True
 
     @contextlib.contextmanager
     def image(self) -> Iterator[None]:
@@ -120,13 +107,16 @@ class Admission:
         self._submitted += 1
         return self.start + self._submitted - 1
 
+    def upstream_before(self, tag: float) -> int:
+        """Of its images still on their way, about how many are tagged before ``tag`` (they come roughly in
+        index order, each tagged as it reaches the batcher)."""
+        return max(0, min(self.upstream, int(tag - (self.start + self._submitted))))
+
 
 class Scheduler:
     def __init__(self, settings: Settings, decode_threads: int, cores: CorePlan) -> None:
         self._max_queue = settings.max_queue_images
-        self._max_caller = settings.caller_share()
-        self._tags = FairTags()
-        self._by_caller: dict[str, int] = {}  # admitted images per caller
+        self._callers = Callers(settings)
         self._fetch_ahead = settings.fetch_concurrency
         self._decode_threads = decode_threads
         self._cores = cores
@@ -149,12 +139,10 @@ class Scheduler:
         """Reserve ``n_images`` (of which ``coming`` will travel to the batcher; default all) for ``caller``,
         or refuse with 503 (the worker is full) or 429 (the caller is over its share). A request that
         ends with an exception has its queued images dropped."""
-        mine = self._by_caller.get(caller, 0)
-        self._refuse_beyond(n_images, mine, ready, seconds_per_image)
+        self._refuse_beyond(n_images, ready, seconds_per_image)
+        start = self._callers.admit(caller, n_images, seconds_per_image)  # or 429: over its share
         coming = n_images if coming is None else coming
-        admission = Admission(self, coming, time.monotonic() if arrived is None else arrived, caller,
-                              self._tags.start(caller, n_images))
-        self._by_caller[caller] = mine + n_images
+        admission = Admission(self, coming, time.monotonic() if arrived is None else arrived, caller, start)
         self._admitted += n_images
         self._upstream += coming
         self._admissions.append(admission)
@@ -168,17 +156,19 @@ class Scheduler:
             raise
         finally:
             self._admitted -= n_images
-            left = self._by_caller.pop(caller) - n_images
-            if left:
-                self._by_caller[caller] = left
+            self._callers.release(caller, n_images)
             self._admissions.remove(admission)
             self.settle(admission.upstream)  # images that never came (killed on the way)
             admission.upstream = 0
             metrics.QUEUE_IMAGES.dec(n_images)
 
-    def _refuse_beyond(self, n_images: int, mine: int, ready: bool, seconds_per_image: float) -> None:
-        """503 while loading or with the worker full; 429 with the caller (``mine`` admitted) over its share.
-        Alone, a request bigger than either bound is admitted: it could never run otherwise."""
+    def batch_cap(self) -> int | None:
+        """Fewer images per forward while callers share the worker (``Callers.batch_cap``)."""
+        return self._callers.batch_cap()
+
+    def _refuse_beyond(self, n_images: int, ready: bool, seconds_per_image: float) -> None:
+        """503 while loading or with the worker full. Alone, a request bigger than the bound is admitted: it
+        could never run otherwise."""
         if not ready:
             metrics.OVERLOADED.labels("not_ready").inc()
             raise Overloaded("the model is still loading on this worker; retry shortly",
@@ -189,12 +179,6 @@ class Scheduler:
             raise Overloaded(f"this worker has {self._admitted} image(s) queued or running (limit "
                              f"{self._max_queue}); retry after ~{wait:.1f}s or spread load over more "
                              "workers/replicas", retry_after_s=wait)
-        if mine and mine + n_images > self._max_caller:
-            metrics.OVER_SHARE.inc()
-            wait = mine * seconds_per_image
-            raise OverShare(f"this caller has {mine} image(s) queued or running on this worker (its share: "
-                            f"{self._max_caller}); retry after ~{wait:.1f}s or send fewer images at a time",
-                            retry_after_s=wait)
 
     def settle(self, n: int) -> None:
         """``n`` admitted images reached the batcher or failed on the way."""
@@ -210,7 +194,8 @@ class Scheduler:
         """Until earlier requests have at most ``fetch_concurrency`` images still on their way. Fetching
         every queued request's images at once held all their bytes (8 albums: 733 MB) and kept the hub
         reading when it should answer; starting just before they are needed hides the hosts' latency."""
-        while sum(a.upstream for a in self._admissions if a.start < admission.start) > self._fetch_ahead:
+        while sum(a.upstream_before(admission.start) for a in self._admissions
+                  if a is not admission) > self._fetch_ahead:
             self._settling.wait()
 
     # ------------------------------------------------------------------ decode
@@ -250,7 +235,7 @@ class Scheduler:
     def taken(self, tag: float) -> None:
         """An image tagged ``tag`` left the batcher's queue for a batch: fair time moves on to it, and a
         held-back decode may go now."""
-        self._tags.taken(tag)
+        self._callers.taken(tag)
         self._decode.recheck()
 
 

@@ -166,6 +166,7 @@ class Orchestrator:
             info = self.runner.info
             assert info is not None  # admitted: the model is ready
             progress.admitted()
+            admission.streamed = not isinstance(progress, _Silent)  # its first row goes at once
             work = _Work(admission, info, spans, outcomes, deadline, gevent.getcurrent(), progress, task, req)
             for ref in req.refs:
                 if ref.error is not None:  # refused at parsing (partial): its line goes first
