@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 TORCH_PINS := torch==2.14.1 torchvision==0.29.1
 STAMP  := $(VENV)/.installed
 
-.PHONY: serve test test-fast lint compare dtype gpu-wheels clean help readme nginx
+.PHONY: serve test test-fast lint compare dtype gpu-wheels clean help readme nginx browser
 
 help:
 	@echo "make serve    create .venv, install, start gunicorn -k gevent on \$$GREENSERVE_BIND (127.0.0.1:8000)"
@@ -28,7 +28,7 @@ $(STAMP): $(BIN)/python setup.cfg setup.py
 serve: $(STAMP)
 	$(BIN)/gunicorn -c gunicorn.conf.py wsgi:app
 
-test: $(STAMP) nginx
+test: $(STAMP) nginx browser
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 test-fast: $(STAMP)
@@ -44,6 +44,15 @@ nginx:
 		{ apt-get update -qq >/dev/null 2>&1 && { $(APT_NGINX); }; } || \
 		echo "nginx could not be installed: tests/test_e2e_nginx.py will skip"
 
+# A real headless browser for tests/test_e2e_page.py (which skips without one): Debian's chromium and its
+# matching chromium-driver, installed the same way.
+APT_BROWSER := DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium chromium-driver >/dev/null 2>&1
+browser:
+	@PATH="$$PATH:/usr/sbin:/sbin"; command -v chromedriver >/dev/null 2>&1 || [ "$$(id -u)" != 0 ] || \
+		! command -v apt-get >/dev/null 2>&1 || { $(APT_BROWSER); } || \
+		{ apt-get update -qq >/dev/null 2>&1 && { $(APT_BROWSER); }; } || \
+		echo "chromium could not be installed: tests/test_e2e_page.py will skip"
+
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/mypy
@@ -57,7 +66,8 @@ dtype: $(STAMP)
 # The device machine has its own python3 with torch, torchvision, numpy, Pillow, requests and prometheus-client
 # but no registry: the server's other packages travel as wheels (run's carry: bench/out/gpu-wheels), see
 # bench/gpu_check.py.
-GPU_WHEELS := flask>=3.0,<4 gunicorn>=23,<28 gevent>=24.2,<27 orjson>=3.9,<4 python-json-logger>=3.1,<5
+GPU_WHEELS := flask>=3.0,<4 gunicorn>=23,<28 gevent>=24.2,<27 orjson>=3.9,<4 python-json-logger>=3.1,<5 \
+	prometheus-client>=0.20,<1
 gpu-wheels: $(STAMP)
 	$(BIN)/pip download -q --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 \
 		--platform manylinux_2_28_x86_64 -d bench/out/gpu-wheels $(foreach w,$(GPU_WHEELS),'$(w)')

@@ -1,52 +1,39 @@
-"""The GPU path on one lent machine, in one bounded command: ``python -m bench.gpu_check --out DIR [--budget-s 520]``.
+r"""The GPU path on one lent machine, in one bounded command: ``python -m bench.gpu_check --out DIR``.
 
-The device machine is bare but for its own python3 (torch, torchvision, numpy, Pillow, requests); nothing can
-be installed from a registry there. So, here, ``make gpu-wheels`` (4 MB of wheels into bench/out/gpu-wheels),
-then with the ``run`` device tool one call (timeout_s 600, carry ["bench/out/gpu-wheels"]; ~10 of the
-session's 15 device minutes):
+The device machine is bare but for its own python3 (torch, torchvision, numpy, Pillow, requests); nothing can be
+installed from a registry there. So, here, ``make gpu-wheels`` (wheels into bench/out/gpu-wheels), then with the
+``run`` device tool one call (timeout_s 600, carry ["bench/out/gpu-wheels"]; ~10 of the 15 device minutes):
 
-    python3 -m pip install -q --no-index --find-links bench/out/gpu-wheels flask gunicorn gevent orjson python-json-logger &&
+    python3 -m pip install -q --no-index --find-links bench/out/gpu-wheels \
+        flask gunicorn gevent orjson python-json-logger prometheus-client &&
         PYTHONUNBUFFERED=1 python3 -m bench.gpu_check --out $OUT/gpu --budget-s 500
 
-It prints the command, the machine and the plan, then runs the steps in priority order; a step starts only
-while its time estimate fits the budget left, the others are recorded as skipped. Results go to
-DIR/gpu.json (the tables to DIR/gpu.md) after every measurement, a phase's tables are printed after each
-phase and all of them at the end, so a run cut short still leaves what it measured (a watchdog prints and
-exits at budget + 40 s). Throughput is the server's own images through the model in the window
-(/metrics); CPU % of the server, the image hosts and the clients and GPU utilisation show the bottleneck.
+It prints the plan, makes the 30-photo phone album (bench.album), random resnet50 weights and the CPU reference,
+then runs the steps in order, each only while its estimate fits the budget left (the others are logged as skipped);
+DIR/gpu.json and its tables, DIR/gpu.md, are rewritten after every measurement. Throughput is the server's own count
+(/metrics); the CPU % of server, image hosts and clients and the GPU's utilisation show the bottleneck.
 
- 0. setup    command, machine (CPU model, flags, cores, torch; GPU, CUDA, nvidia-smi memory); the 30-photo
-             phone album (bench.album, up to 12 MP, the one bench.compare uses; rendered on every core when
-             bench/out has no copy), seeded random resnet50 weights (bench.bare), the CPU float32 reference
- 1. model    resnet50 on cuda:0, batch 64, float32 / bfloat16 / float16 autocast: images/s; the album's
-             JPEG decode alone: nvJPEG batch decode (torchvision.io.decode_jpeg(list, device="cuda")),
-             also as the server's device path (+ upright, resize, crop), vs Pillow decode_and_crop in
-             one thread per core
- 2. server   gunicorn -k gevent greenserve on the GPU, 2 workers, GREENSERVE_DTYPE=auto (the dtype chosen is
-             recorded), GREENSERVE_JPEG_DECODE=pillow vs device: images/s under 16 clients sending
-             30-photo album requests by URL (local image hosts), /healthz p50/p99, embeddings vs CPU
- 3. oom      1 worker, device decode, max batch 64: the worker's GPU memory after warm-up; a hog process
-             takes all but a margin of the GPU, then all of it: album requests under each (200, or 503
-             out_of_memory + Retry-After), /healthz p99; the hog gone: requests must be 200 again and
-             the worker's GPU memory back near its baseline
- 4. layouts  workers per GPU 1, 4, 8 (2 is phase 2) with device decode, 2x decode threads and pillow at the
-             best; then the CPU alone: the bare pipeline (cores x 1 and 1 x cores, the yardstick) and
-             GREENSERVE_DEVICE=cpu with 16, 4, 8, 2 workers, float32 at the best (--layouts to change)
+ 1. model    resnet50 on cuda:0, batch 64, float32 / bfloat16 / float16 (autocast, cast once): images/s, cosine
+ 2. server   gunicorn -k gevent greenserve, 2 workers, GREENSERVE_DTYPE=auto, JPEG decode pillow vs device: images/s
+             under 16 clients sending the album by URL, /healthz p50/p99, the dtype chosen, embeddings vs CPU
+ 3. oom      1 worker, device decode; a hog takes all but 512 MiB of the GPU, then all: album requests under each
+             (200, or 503 out_of_memory + Retry-After); the hog gone, 200 again and the worker's GPU memory
+ 4. layouts  4, 8, 1 workers per GPU; GREENSERVE_DEVICE=cpu with cores, /4, /2, /8 workers, cores in float32
 
-Goals: >= 1,100 phone photos/s with resnet50 on one H200 (274 with CPU decode, 2 workers, before); /healthz
-p99 stays low (tens of ms) while saturated; after OOM the worker answers 200 and its GPU memory returns
-near its baseline.
+Goals: >= 1,100 phone photos/s with resnet50 on one H200 (274 with CPU decode, 2 workers, before); /healthz p99
+stays low (tens of ms) while saturated; after OOM the worker answers 200, its GPU memory back near its baseline.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
+import re
 import sys
-import threading
 import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -54,252 +41,289 @@ from typing import Any
 
 import numpy as np
 
-from bench import gpu_plan
-from bench.gpu_plan import Layout, Skip, Step, default_layouts, parse_layout, plan_rows, resolve, run_steps, server_estimate_s
+from bench import album, bare, equivalence, gpu_parts
+from bench.gpu_parts import cell, table
+from harness.launch import GunicornServer
 
 PHASES = ("model", "server", "oom", "layouts")
-SETUP_ESTIMATE_S = 30.0
-GRACE_S = 40.0  # the watchdog's margin past the budget (the run tool stops a command at 600 s)
+SETUP_S, GOAL, BEFORE, MARGIN_MIB = 30.0, 1100, 274, 512  # photos/s: the goal on one H200, 2 workers before
+SERVER = ("label dtype_chosen jpeg_decode images_per_s served_images_per_s mean_batch p50_s healthz_p50_ms "
+          "healthz_p99_ms failed server_cpu_pct imagehost_cpu_pct client_cpu_pct gpu_util_pct start_s check")
+SECTIONS = {"model_level": ("Model level (cuda:0, no server)", "dtype images_per_s ms_per_batch cosine_vs_cpu_fp32"),
+            "server": ("Server: pillow vs device decode", SERVER), "layouts": ("Layouts", SERVER),
+            "oom": ("GPU out of memory", "stage statuses retry_after served_images_per_s healthz_p99_ms worker_mib")}
 
 
-def _layout_arg(spec: str) -> Layout:
-    try:
-        return parse_layout(spec)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from exc
+@dataclass(frozen=True)
+class Layout:
+    """A server: GREENSERVE_DEVICE, its workers, GREENSERVE_DTYPE and GREENSERVE_JPEG_DECODE (None: not set)."""
+
+    device: str
+    workers: int
+    dtype: str = "auto"
+    jpeg: str | None = None
+
+    @property
+    def label(self) -> str:
+        workers = f"{self.workers} worker" + "s" * (self.workers > 1)
+        return f"{self.device} {workers}, dtype {self.dtype}, jpeg {self.jpeg or '-'}"
+
+
+def default_layouts(cores: int) -> list[Layout]:
+    cpu = dict.fromkeys(w for w in (cores, cores // 4, cores // 2, cores // 8) if w >= 1)
+    return [*(Layout("cuda", w, jpeg="device") for w in (4, 8, 1)), *(Layout("cpu", w) for w in cpu),
+            Layout("cpu", cores, "float32")]
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.gpu_check", description=__doc__.splitlines()[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n", 1)[1])
-    p.add_argument("--out", type=Path, required=True, help="directory for gpu.json")
+    p.add_argument("--out", type=Path, required=True, help="directory for gpu.json and gpu.md")
     p.add_argument("--budget-s", type=float, default=520, help="seconds for everything (default 520)")
     p.add_argument("--phases", default=",".join(PHASES), help=f"comma-separated subset of {','.join(PHASES)}")
-    p.add_argument("--layouts", nargs="+", type=_layout_arg, help="phase 4's layouts (see Layout; default "
-                   "cuda:4 cuda:8 cuda:1 cuda:best:2x cuda:best:0:auto:pillow bare:Cx1 bare:1xC cpu:C ... cpu:best:0:float32)")
-    p.add_argument("--clients", type=int, default=16, help="closed-loop clients, each sending album requests")
-    p.add_argument("--warm-s", type=float, default=2.0, help="load before the measured window")
-    p.add_argument("--load-s", type=float, default=7.0, help="the measured window of every server run")
-    p.add_argument("--oom-margin-mib", type=int, default=512, help="GPU memory the hog leaves free at first")
-    p.add_argument("--model", default="resnet50", help="smoke runs use a tiny one (mobilenet_v3_small)")
-    p.add_argument("--album-count", type=int, default=30)
-    p.add_argument("--album-max-side", type=int, help="shrink the album (smoke runs); default: phone sizes")
-    p.add_argument("--image-hosts", type=int, help="image host processes on one port (default cores // 4)")
-    p.add_argument("--plan-only", action="store_true", help="print the plan and exit (no CUDA needed)")
-    p.add_argument("--cores", type=int, help="plan as if the machine had this many cores (default: its own)")
+    p.add_argument("--smoke", action="store_true", help="a tiny run, to try it on a CPU: mobilenet_v3_small, 3 photos"
+                   " of 320 px, 2 clients, 1 + 2 s windows; phase 4 is then 1 cpu worker in float32")
     args = p.parse_args(argv)
     args.phases = [x for x in args.phases.split(",") if x]
     if unknown := set(args.phases) - set(PHASES):
         p.error(f"unknown phase(s) {', '.join(sorted(unknown))}; choose from {', '.join(PHASES)}")
+    cores = args.cores = len(os.sched_getaffinity(0))
+    tiny = dict(model="mobilenet_v3_small", album=(3, 320), clients=2, warm_s=1.0, load_s=2.0, hosts=2,
+                layouts=[Layout("cpu", 1, "float32")])
+    full = dict(model="resnet50", album=(30, None), clients=16, warm_s=2.0, load_s=7.0, hosts=max(1, cores // 4),
+                layouts=default_layouts(cores))
+    vars(args).update(tiny if args.smoke else full)
     return args
 
 
-@dataclass
+@dataclass(frozen=True)
+class Step:
+    phase: str  # "1 model": the steps of one phase are consecutive
+    name: str
+    estimate_s: float  # it starts only while at least this much of the budget is left
+    fn: Callable[[], object] = lambda: None
+
+
+class Budget:
+    """Seconds since the run started, against ``total_s``; ``clock`` is injectable for tests."""
+
+    def __init__(self, total_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.total_s, self.clock, self.started = total_s, clock, clock()
+
+    def used(self) -> float:
+        return self.clock() - self.started
+
+    def left(self) -> float:
+        return self.total_s - self.used()
+
+
+def plan_rows(steps: Sequence[Step], budget_s: float, setup_s: float) -> list[dict[str, Any]]:
+    """When each step would end at the estimates, or "if time" (``run_steps``' rule: later, smaller ones may fit)."""
+    t, rows = setup_s, [{"phase": "0 setup", "step": "machine, album, weights, CPU reference",
+                         "estimate_s": round(setup_s), "ends_at_s": round(setup_s), "fits": "yes"}]
+    for s in steps:
+        t += s.estimate_s if (fits := t + s.estimate_s <= budget_s) else 0
+        rows.append({"phase": s.phase, "step": s.name, "estimate_s": round(s.estimate_s),
+                     "ends_at_s": round(t) if fits else None, "fits": "yes" if fits else "if time"})
+    return rows
+
+
+def run_steps(steps: Sequence[Step], budget: Budget, log: list[dict[str, Any]]) -> None:
+    """Run each step that fits the budget left; log each: ok, skipped (the budget), or error (and go on)."""
+    for step in steps:
+        log.append(rec := {"phase": step.phase, "step": step.name, "estimate_s": round(step.estimate_s)})
+        if (left := budget.left()) < step.estimate_s:
+            rec.update(status="skipped", reason=f"budget: {left:.0f} s left, needs ~{step.estimate_s:.0f} s")
+            continue
+        t0 = budget.used()
+        print(f"-- [{step.phase}] {step.name} (~{step.estimate_s:.0f} s; {left:.0f} s left)", flush=True)
+        try:
+            step.fn()
+            rec["status"] = "ok"
+        except Exception as exc:
+            err = f"{type(exc).__name__}: {exc}"
+            rec.update(status="error", error=err if len(err) <= 1500 else f"{err[:300]} [...] {err[-1200:]}")
+            print(f"!! {step.name}: {rec['error']}", flush=True)
+        rec["seconds"] = round(budget.used() - t0, 1)
+
+
+def goals(doc: dict[str, Any]) -> list[str]:
+    out, oom, rows = [], doc.get("oom") or {}, doc.get("server", []) + doc.get("layouts", [])
+    if gpu := [r for r in rows if r["device"] == "cuda" and r.get("images_per_s")]:
+        b = max(gpu, key=lambda r: r["images_per_s"])
+        out.append(f"- best on the GPU: {b['images_per_s']} images/s ({b['label']}, dtype {b.get('dtype_chosen')}) vs "
+                   f"goal {GOAL}: {'MET' if b['images_per_s'] >= GOAL else 'not met'} ({BEFORE} before, CPU decode); "
+                   f"/healthz p99 there {b.get('healthz_p99_ms')} ms")
+    if stages := oom.get("stages"):
+        under = {k: sum(s["statuses"].get(k, 0) for s in stages[:-1]) for s in stages[:-1] for k in s["statuses"]}
+        out.append(f"- OOM: under the hog {cell({'x': under}, 'x')}; all 200 after it: {oom.get('after_all_200')}; "
+                   f"worker GPU MiB {oom.get('baseline_mib')} at baseline -> {oom.get('after_mib')} after; whole GPU "
+                   f"{oom.get('gpu_used_baseline_mib')} -> {oom.get('gpu_used_after_mib')} MiB")
+    return out
+
+
+def tables(doc: dict[str, Any]) -> str:
+    parts = []
+    for s, (title, cols) in SECTIONS.items():
+        rows, facts = doc.get(s), ""
+        if s == "oom" and rows:
+            rows, facts = rows["stages"], ", ".join(f"{k} {cell(rows, k)}" for k in rows if k != "stages") + "\n\n"
+        parts += [f"## {title}\n{facts}" + table(rows, cols.split())] if rows else []
+    steps = [{**r, "why": (r.get("reason") or r.get("error") or "")[:120]} for r in doc.get("steps", [])]
+    return "\n\n".join([*parts, f"## Steps (setup {doc.get('setup_s', '-')} s)\n"
+                        + table(steps, ["phase", "step", "estimate_s", "seconds", "status", "why"]),
+                        "## Goals\n" + ("\n".join(goals(doc)) or "- nothing measured")])
+
+
 class Run:
-    """One run's state: its arguments, results document and budget; the steps are its methods."""
+    """A run's arguments, results, budget and what setup made; the phases are its methods, each adding to ``doc``."""
 
-    args: argparse.Namespace
-    cores: int
-    budget: gpu_plan.Budget
-    doc: dict[str, Any]
-    rig: Any = None  # gpu_phases.Rig once set up
-    pixels: Any = None
-    blobs: list[bytes] = dataclasses.field(default_factory=list)
-    transform: Any = None
-    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
-
-    @property
-    def layouts(self) -> list[Layout]:
-        return self.args.layouts or default_layouts(self.cores)
+    def __init__(self, args: argparse.Namespace, cores: int, budget: Budget, doc: dict[str, Any]) -> None:
+        self.args, self.cores, self.budget, self.doc = args, cores, budget, doc
+        self.base_url, self.host_pids = "", list[int]()  # the image hosts'
 
     def save(self) -> None:
-        with self.lock:
-            path = self.args.out / "gpu.json"
-            tmp = path.with_suffix(".tmp")
-            tmp.write_text(json.dumps(self.doc, indent=1, default=str))
-            tmp.replace(path)
-            (self.args.out / "gpu.md").write_text(gpu_plan.tables(self.doc) + "\n")  # the tables, as printed
+        (tmp := self.args.out / "gpu.json.tmp").write_text(json.dumps(self.doc, indent=1, default=str))
+        tmp.replace(self.args.out / "gpu.json")
+        (self.args.out / "gpu.md").write_text(tables(self.doc) + "\n")
 
     def add(self, section: str, row: dict[str, Any]) -> None:
         self.doc.setdefault(section, []).append(row)
-        print("   " + gpu_plan.one_line(row), flush=True)
+        print("   " + ", ".join(f"{k} {cell(row, k)}" for k in SECTIONS[section][1].split() if k in row), flush=True)
         self.save()
 
     def steps(self) -> list[Step]:
-        a, out = self.args, []
-        if "model" in a.phases:
-            out += [Step("1 model", f"{a.model} cuda:0 batch 64, 3 dtypes", 25, self.model_level),
-                    Step("1 model", "JPEG decode: nvJPEG vs Pillow", 15, self.decode)]
-        if "server" in a.phases:
-            for jpeg in ("pillow", "device"):
-                lay = Layout("cuda", 2, 0, "auto", jpeg)
-                out.append(Step("2 server", lay.label, server_estimate_s(lay, a.warm_s, a.load_s) + 2,
-                                partial(self.server, lay, "server", True)))
-        if "oom" in a.phases:
-            out.append(Step("3 oom", "1 worker, device decode, GPU memory hog", 70, self.oom))
-        if "layouts" in a.phases:
-            for lay in self.layouts:
-                est = 22.0 if lay.device == "bare" else server_estimate_s(lay, a.warm_s, a.load_s)
-                out.append(Step("4 layouts", lay.label, est, partial(self.layout, lay)))
-        return out
+        a = self.args
 
-    def model_level(self) -> None:
-        from bench import gpu_phases
+        def server(phase: str, lay: Layout) -> Step:  # start (~20 s for resnet50), load, stop (+ the check in 2)
+            estimate = 22 + a.warm_s + a.load_s + lay.workers / 2 + (2 if phase == "2 server" else 0)
+            return Step(phase, lay.label, estimate, partial(self.server_run, lay, phase))
 
-        batch = np.concatenate([self.pixels] * (-(-64 // len(self.pixels))))[:64]  # the album, repeated to 64
-        gpu_phases.model_level(self.args.model, self.rig.weights, batch, partial(self.add, "model_level"))
+        out = [Step("1 model", f"{a.model} cuda:0 batch 64, 5 numerics", 25, self.model_level)] * ("model" in a.phases)
+        out += [server("2 server", Layout("cuda", 2, jpeg=j)) for j in ("pillow", "device")] * ("server" in a.phases)
+        out += [Step("3 oom", "1 worker, device decode, GPU memory hog", 70, self.oom)] * ("oom" in a.phases)
+        return out + [server("4 layouts", lay) for lay in a.layouts] * ("layouts" in a.phases)
 
-    def decode(self) -> None:
-        from bench import gpu_phases
-
-        gpu_phases.decode_bench(self.blobs, self.transform, self.cores, partial(self.add, "decode"))
-
-    def server(self, layout: Layout, section: str, check: bool = False) -> None:
-        from bench import gpu_phases
-
-        measured = [r.get("label") for r in self.doc.get("server", []) + self.doc.get("layouts", [])]
-        if layout.label in measured:
-            raise Skip(f"{layout.label} measured already")
-        self.add(section, gpu_phases.server_run(self.rig, layout, check=check))
-
-    def layout(self, layout: Layout) -> None:
-        from bench import gpu_phases
-
-        layout = resolve(layout, self.doc.get("server", []) + self.doc.get("layouts", []), self.cores)
-        if layout.device == "bare":
-            self.add("bare", gpu_phases.bare_run(self.rig, layout))
-        else:
-            self.server(layout, "layouts")
-
-    def oom(self) -> None:
-        from bench import gpu_phases
-
-        self.doc["oom"] = {"layout": Layout("cuda", 1, 0, "auto", "device").label, "margin_mib": self.args.oom_margin_mib}
-        gpu_phases.oom_phase(self.rig, Layout("cuda", 1, 0, "auto", "device"), self.args.oom_margin_mib,
-                             self.doc["oom"], self.save)
-
-
-def needs_cuda(args: argparse.Namespace, layouts: list[Layout]) -> bool:
-    return bool({"model", "server", "oom"} & set(args.phases)) or (
-        "layouts" in args.phases and any(lay.device == "cuda" for lay in layouts))
-
-
-def cuda_problem() -> str | None:
-    """None when torch sees a CUDA device, else why not (one line)."""
-    try:
+    def setup(self) -> None:
         import torch
 
-        if torch.cuda.is_available() and torch.cuda.device_count() > 0:
-            return None
-        return f"torch {torch.__version__} (CUDA build {torch.version.cuda or 'none'}) sees no CUDA device"
-    except Exception as exc:
-        return f"{type(exc).__name__}: {exc}"
+        from bench.report import album_facts
+        from service.engine.loading import load_model
+        from service.pipeline.decode import configure_pillow
+        from service.pipeline.orchestrate import decode_and_crop
+
+        (count, side), t0, name = self.args.album, time.monotonic(), self.args.model
+        self.album_dir = album.DEFAULT_DIR.parent / ("album" if count == 30 and not side else f"album-{count}-{side}")
+        self.photos = album.load_album(album.ensure_album(self.album_dir, count=count, max_side=side))
+        self.weights = bare.save_random_weights(name, self.album_dir.parent / f"weights/{bare.slug(name)}-seed0.pt")
+        model = load_model(name, str(self.weights), device=torch.device("cpu"))
+        configure_pillow(bare.MAX_PIXELS)  # the crops as the server's Pillow path makes them, on every core
+        with ThreadPoolExecutor(self.cores) as pool:
+            crop = partial(decode_and_crop, transform=model.info.transform, max_pixels=bare.MAX_PIXELS)
+            self.pixels = np.stack(list(pool.map(crop, self.photos.values())))
+        emb = model.forward(self.pixels)[0].numpy()  # type: ignore[union-attr]
+        self.reference = emb / np.maximum(np.linalg.norm(emb, axis=1, keepdims=True), 1e-12)
+        self.doc.update(album=album_facts(self.photos), setup_s=round(time.monotonic() - t0, 1))
+
+    def model_level(self) -> None:
+        """float32, then bfloat16 and float16 by autocast and cast once (what GREENSERVE_DTYPE=auto tries)."""
+        import torch
+
+        from service.engine.casting import FLOAT32, Numerics
+        from service.engine.loading import load_model
+
+        batch, ref = (np.concatenate([x] * -(-64 // len(x)))[:64] for x in (self.pixels, self.reference))
+        for how in [FLOAT32, *(Numerics(d, cast=c) for d in (torch.bfloat16, torch.float16) for c in (False, True))]:
+            m = load_model(self.args.model, str(self.weights), device=torch.device("cuda:0"), numerics=how)
+            feats, t0 = m.forward(batch)[0], time.perf_counter()  # CPU tensors back: the copy and a sync are timed
+            for _ in range(10):
+                m.forward(batch)
+            seconds = (time.perf_counter() - t0) / 10
+            cos = torch.nn.functional.cosine_similarity(feats, torch.from_numpy(ref))  # type: ignore[arg-type]
+            self.add("model_level", {"dtype": how.name, "images_per_s": round(64 / seconds, 1), "ms_per_batch":
+                                     round(seconds * 1000, 2), "cosine_vs_cpu_fp32": round(float(cos.min()), 6)})
+            del m
+            torch.cuda.empty_cache()
+
+    def server(self, layout: Layout) -> GunicornServer:  # ready in what the budget leaves, up to 150 s
+        return gpu_parts.serve(layout, self.args.model, self.weights, self.base_url, min(150.0, self.budget.left()))
+
+    def server_run(self, layout: Layout, phase: str) -> None:
+        """``phase``'s row of a layout under a saturating load: its choices, embeddings (2), throughput, health, CPU."""
+        a, t0, names = self.args, time.monotonic(), list(self.photos)
+        row: dict[str, Any] = {"label": layout.label, "device": layout.device, "workers": layout.workers}
+        with self.server(layout) as srv:
+            row.update(start_s=round(time.monotonic() - t0, 1), **gpu_parts.model_facts(srv.url, layout.workers))
+            if phase == "2 server":  # a server that chose a lower precision is held to the looser tolerance
+                tol = equivalence.TOLERANCE if row["dtype_chosen"] == "float32" else equivalence.LOW_PRECISION
+                row["check"] = equivalence.compare(gpu_parts.embeddings(srv.url, names), self.reference, tol).to_dict()
+            cpu = {"server_cpu_pct": lambda: srv.worker_pids() | {srv.proc.pid if srv.proc else 0},
+                   "imagehost_cpu_pct": lambda: self.host_pids, "client_cpu_pct": lambda: [os.getpid()]}
+            row.update(gpu_parts.load(srv.url, names, clients=a.clients, warm_s=a.warm_s, measure_s=a.load_s, cpu=cpu,
+                                      gpu=layout.device == "cuda"))
+        self.add(phase.split()[1], row)
+
+    def oom(self, layout: Layout = Layout("cuda", 1, jpeg="device")) -> None:
+        """One worker's GPU memory and album requests as a hog leaves it MARGIN_MIB, then nothing, then is gone."""
+        out, names = self.doc.setdefault("oom", {"layout": layout.label, "stages": []}), list(self.photos)
+        hog = gpu_parts.Hog()  # imports torch and makes its CUDA context while the server starts
+        try:
+            with self.server(layout) as srv:
+                worker = min(srv.worker_pids())
+                out.update(baseline_mib=gpu_parts.apps().get(worker), gpu_used_baseline_mib=gpu_parts.gpu0().get(
+                    "memory_used_mib"), **gpu_parts.model_facts(srv.url, 1))
+                hog.ready()
+                out["hog_full_mib"] = hog.command("fill")
+                for stage, command, clients, seconds in ((f"hog leaves ~{MARGIN_MIB} MiB", f"free {MARGIN_MIB}", 4, 6),
+                                                         ("hog takes all", "fill", 4, 4), ("hog gone", "", 2, 4)):
+                    out[f"{stage}: hog MiB"] = hog.command(command) if command else hog.stop()
+                    time.sleep(0 if command else 1)  # the hog's memory freed
+                    out["stages"].append({"stage": stage, **gpu_parts.stage(srv.url, names, worker, clients, seconds)})
+                    self.save()
+                out.update(after_mib=gpu_parts.apps().get(worker), gpu_used_after_mib=gpu_parts.gpu0().get(
+                    "memory_used_mib"), same_worker=worker in srv.worker_pids(),
+                    after_all_200=set(out["stages"][-1]["statuses"]) == {"200"})
+        finally:
+            hog.stop()
 
 
-def setup(run: Run) -> None:
-    """Machine facts, album, weights, crops, CPU reference; the image hosts are started by main."""
-    from bench import bare, gpu_phases, report
-    from bench.album import DEFAULT_DIR, load_album
-    from service.engine.loading import load_model
-
-    a, t0 = run.args, time.monotonic()
-    album_dir = DEFAULT_DIR if a.album_count == 30 and a.album_max_side is None else \
-        DEFAULT_DIR.parent / f"album-{a.album_count}-{a.album_max_side}"
-    rendered = gpu_phases.ensure_album_fast(album_dir, count=a.album_count, max_side=a.album_max_side,
-                                            processes=min(run.cores, a.album_count))
-    album = load_album(album_dir)
-    run.doc["album"] = {**report.album_facts(album), "dir": str(album_dir), "rendered_s": round(time.monotonic() - t0, 1)
-                        if rendered else "cached"}
-    weights = bare.save_random_weights(a.model, DEFAULT_DIR.parent / "weights" / f"{bare.slug(a.model)}-seed0.pt")
-    run.blobs = list(album.values())
-    run.transform = load_model(a.model, str(weights)).info.transform
-    run.pixels = gpu_phases.crops(run.blobs, run.transform, run.cores)
-    run.rig = gpu_phases.Rig(a.model, weights, album_dir, "", [], list(album), gpu_phases.cpu_reference(
-        a.model, weights, run.pixels), a.clients, a.warm_s, a.load_s, lambda: max(30.0, min(150.0, run.budget.left())))
-    run.doc["setup_s"] = round(time.monotonic() - t0, 1)
-    print(f"-- setup: album {run.doc['album']}, weights {weights.name}, {run.doc['setup_s']} s", flush=True)
-
-
-def gpu_facts() -> dict[str, Any]:
+def machine(cores: int) -> dict[str, Any]:  # the CPU, torch and the GPU (or, without one, the "problem")
     import torch
 
-    from bench import gpu_procs
-
-    return {"gpu": torch.cuda.get_device_name(0), "gpus": torch.cuda.device_count(),
-            "capability": ".".join(map(str, torch.cuda.get_device_capability(0))), "torch_cuda": torch.version.cuda,
-            "cudnn": torch.backends.cudnn.version(), "driver_cuda": gpu_procs.parse_cuda_version(gpu_procs.smi()),
-            "nvidia_smi": gpu_procs.gpus()}
-
-
-def watchdog(run: Run) -> threading.Timer:
-    """At budget + GRACE_S: stop what runs, save, print the tables, exit 3 (before the run tool's kill)."""
-    def fire() -> None:
-        print(f"!! hard deadline ({run.budget.total_s + GRACE_S:.0f} s): stopping", flush=True)
-        for thing in list(run.rig.live if run.rig else []):
-            try:
-                thing.stop(timeout=5)
-            except Exception:
-                pass
-        run.doc["cut_short"] = True
-        run.save()
-        print(gpu_plan.tables(run.doc), flush=True)
-        os._exit(3)
-
-    timer = threading.Timer(run.budget.total_s + GRACE_S - run.budget.used(), fire)
-    timer.daemon = True
-    timer.start()
-    return timer
+    cpu = re.search(r"^model name\s*:\s*(.*)$", Path("/proc/cpuinfo").read_text(), re.M)
+    out = {"cores": cores, "cpu": cpu[1] if cpu else None, "torch": torch.__version__, "torch_cuda": torch.version.cuda}
+    if not torch.cuda.is_available():
+        return {**out, "problem": f"torch {torch.__version__} (CUDA build {torch.version.cuda}) sees no CUDA device"}
+    return {**out, "gpu": torch.cuda.get_device_name(0), "capability": torch.cuda.get_device_capability(0),
+            "driver_cuda": gpu_parts.parse_cuda_version(gpu_parts.smi()), "nvidia_smi": gpu_parts.gpus()}
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    cores = args.cores or len(os.sched_getaffinity(0))
     command = "python -m bench.gpu_check " + " ".join(sys.argv[1:] if argv is None else argv)
-    run = Run(args, cores, gpu_plan.Budget(args.budget_s), {"command": command, "budget_s": args.budget_s})
-    steps = run.steps()
-    plan = plan_rows(steps, args.budget_s, SETUP_ESTIMATE_S)
-    if args.plan_only:
-        print(gpu_plan.plan_table(plan, args.budget_s, SETUP_ESTIMATE_S))
-        return 0
-    if needs_cuda(args, run.layouts) and (problem := cuda_problem()):
-        print(f"no CUDA device: {problem}. bench.gpu_check needs one for phases model, server, oom and cuda "
-              "layouts (run it on the GPU machine, or --phases layouts --layouts with cpu/bare ones)", file=sys.stderr)
+    run = Run(args, args.cores, Budget(args.budget_s), {"command": command, "budget_s": args.budget_s})
+    plan = run.doc["plan"] = plan_rows(steps := run.steps(), args.budget_s, SETUP_S)
+    fit = sum(r["estimate_s"] for r in plan if r["fits"] == "yes")
+    print(f"## Plan: {args.budget_s:.0f} s budget, {fit} s of steps fit at their estimates\n"
+          + table(plan, ["phase", "step", "estimate_s", "ends_at_s", "fits"]), flush=True)
+    print(json.dumps(facts := run.doc.setdefault("machine", machine(args.cores))), flush=True)
+    if "problem" in facts and any(s.phase != "4 layouts" or s.name.startswith("cuda") for s in steps):
+        print(f"no CUDA device: {facts['problem']}. bench.gpu_check needs one for phases model, server, oom and cuda "
+              "layouts (run it on the GPU machine, or try --phases layouts --smoke)", file=sys.stderr)
         return 2
-    from bench import gpu_procs, report
-
     args.out.mkdir(parents=True, exist_ok=True)
-    run.doc["machine"] = report.start("bench.gpu_check", args.model, argv)
-    if needs_cuda(args, run.layouts):
-        run.doc["gpu"] = gpu_facts()
-        print(json.dumps(run.doc["gpu"]), flush=True)
-    run.doc["plan"] = plan
-    print(gpu_plan.plan_table(plan, args.budget_s, SETUP_ESTIMATE_S), flush=True)
-    timer = watchdog(run)
     try:
-        setup(run)
-        run.save()
-        with gpu_procs.ImageHosts(run.rig.album_dir, args.image_hosts or max(1, cores // 4)) as hosts:
-            run.rig.base_url, run.rig.host_pids = hosts.base_url, hosts.pids
-            run_steps(steps, run.budget, run.doc.setdefault("steps", []), on_phase_end=partial(phase_end, run),
-                      skip=(Skip,))
+        run.setup()
+        with gpu_parts.ImageHosts(run.album_dir, args.hosts) as hosts:
+            run.base_url, run.host_pids = hosts.base_url, hosts.pids
+            run_steps(steps, run.budget, run.doc.setdefault("steps", []))
     except Exception as exc:  # setup or the image hosts: nothing can be measured without them
         run.doc["error"] = f"{type(exc).__name__}: {exc}"
-        run.save()
         print(f"!! {run.doc['error']}", file=sys.stderr, flush=True)
-        return 1
-    finally:
-        timer.cancel()
     run.doc["seconds"] = round(run.budget.used(), 1)
     run.save()
-    print(gpu_plan.tables(run.doc), flush=True)
-    print(f"wrote {args.out / 'gpu.json'} ({run.doc['seconds']} s of {args.budget_s:.0f})", flush=True)
-    return 0
-
-
-def phase_end(run: Run, phase: str, seconds: float) -> None:
-    run.save()
-    print(f"-- phase {phase}: {seconds:.0f} s; {run.budget.left():.0f} s of the budget left", flush=True)
-    print(gpu_plan.tables(run.doc, phase), flush=True)
+    print(tables(run.doc), f"wrote {args.out / 'gpu.json'} ({run.doc['seconds']} s of {args.budget_s:.0f})", sep="\n")
+    return 1 if "error" in run.doc else 0
 
 
 if __name__ == "__main__":
