@@ -82,7 +82,7 @@ def search_loop(port: int, photo: str, seconds: float) -> dict[str, Any]:
 def shared(port: int, names: list[str], seconds: float) -> dict[str, Any]:
     """The search loop while the backfill caller keeps 4 albums in flight (after 3 s to fill the queue)."""
     backfill = Load(f"http://127.0.0.1:{port}", 4, {"images": names}, duration_s=seconds + 3, timeout_s=300,
-                    headers={"X-Client-ID": "backfill"}).start()
+                    headers={"X-Client-ID": "backfill"}, retry_after=True).start()
     time.sleep(3.0)
     search = search_loop(port, names[0], seconds)
     backfill.stop()

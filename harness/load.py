@@ -91,12 +91,12 @@ class _Client:
 class Load:
     """``clients`` threads posting ``body`` (with ``headers``: X-Client-ID, say) to ``url + path`` back to
     back for ``duration_s`` or until ``stop()``; a context manager. ``done`` holds every finished request in
-    the order they ended."""
+    the order they ended. ``retry_after``: after a refusal that says Retry-After, a client waits that long."""
 
     def __init__(self, url: str, clients: int, body: dict[str, Any], *, path: str = "/v1/embeddings",
                  duration_s: float = 30.0, fresh: bool = False, timeout_s: float = 60.0,
-                 headers: dict[str, str] | None = None) -> None:
-        self.duration_s, self.timeout_s = duration_s, timeout_s
+                 headers: dict[str, str] | None = None, retry_after: bool = False) -> None:
+        self.duration_s, self.timeout_s, self.retry_after = duration_s, timeout_s, retry_after
         payload = json.dumps(body).encode()
         images = len(body.get("images") or body.get("input") or [])
         self._clients = [_Client(url, path, payload, images, timeout_s, fresh, headers or {})
@@ -134,6 +134,8 @@ class Load:
             done = client.post()
             with self._lock:
                 self.done.append(done)
+            if self.retry_after and done.retry_after:  # as the SDKs do: wait as told before the next try
+                self._halt.wait(min(float(done.retry_after), max(0.0, self.deadline - time.monotonic())))
         client.close()
 
     def since(self, t: float) -> list[Done]:

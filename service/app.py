@@ -4,7 +4,7 @@
              ─▶ runner (model + inference thread + decode pool + batcher; reads the siblings' loads)
              ─▶ fetcher (concurrent, bounded URL fetching)
              ─▶ orchestrator (fetch → decode → infer → postprocess for one request)
-             ─▶ http (hooks, native routes, the protocols' routes, /openapi.json: every blueprint
+             ─▶ http (hooks, native routes, the protocols' routes, /openapi.json, the page at /: every blueprint
                 registered here; the body guard around them)
 """
 
@@ -17,9 +17,9 @@ from flask import Flask
 
 from service import logs, metrics
 from service.balance.gate import Balance, Policy
-from service.engine.loading import load_for_worker
+from service.engine.loading import import_family, load_for_worker
 from service.engine.runner import Model, Runner
-from service.http import hooks, openapi, protocols, routes
+from service.http import hooks, openapi, protocols, routes, ui
 from service.http.connection import guard_body, werkzeug_limits
 from service.pipeline import device_decode
 from service.pipeline.decode import configure_pillow
@@ -39,6 +39,8 @@ def create_app(settings: Settings | None = None, *, model: Model | None = None,
     logs.configure(settings.log_level, settings.log_format)
     configure_pillow(settings.max_image_pixels)
     balance = balance or Balance(None, Policy.from_settings(settings))
+    if model is None:
+        import_family(settings.model)  # in this thread, not the loader's (``import_family`` says why)
     runner = Runner(settings, model=model, siblings=balance,
                     loader=None if model else functools.partial(load_for_worker, settings, balance.slot, device_decode))
     texts = TextEncoder(runner, settings.label_cache_size)
@@ -47,7 +49,7 @@ def create_app(settings: Settings | None = None, *, model: Model | None = None,
     app = Flask("greenserve")
     app.extensions["greenserve"] = {"settings": settings, "runner": runner, "orchestrator": orchestrator,
                                     "balance": balance, "texts": texts}
-    for blueprint in (hooks.bp, routes.bp, *protocols.BLUEPRINTS, openapi.bp):
+    for blueprint in (hooks.bp, routes.bp, *protocols.BLUEPRINTS, openapi.bp, ui.bp):
         app.register_blueprint(blueprint)
     app.config.update(werkzeug_limits(settings))
     # Flask's middleware hook

@@ -72,3 +72,9 @@ def test_no_answer_is_status_0_with_the_exception_named() -> None:
     load = Load("http://127.0.0.1:9", 1, {"images": []}, duration_s=0.2, timeout_s=1).start().join()
     assert load.done and all(d.status == 0 and d.error for d in load.done)
     assert load_summary(load.done)["ok"] == 0
+
+
+def test_with_retry_after_a_refused_client_waits_as_told(server: str) -> None:
+    load = Load(server, 1, {"images": ["a.jpg"]}, duration_s=1.5, retry_after=True).start().join()
+    # every third answer is a 429 with Retry-After: 2, so the client stops after the first one
+    assert [d.status for d in load.done] == [200, 200, 429], [d.status for d in load.done]

@@ -44,6 +44,18 @@ def parse_model_name(spec: str) -> tuple[str, str]:
     return family, name
 
 
+def import_family(spec: str) -> None:
+    """Import the family module of ``spec`` here, in the worker's main thread, before the loader thread
+    starts. An import may run a subprocess (trio, which open_clip pulls in through huggingface_hub and
+    httpcore when it is installed, asks ldconfig for libpthread), and gevent's subprocess works only on the
+    hub's thread: imported in the loader thread, the model failed to load. A bad name is the loader's to
+    report."""
+    try:
+        importlib.import_module(FAMILY_MODULES[parse_model_name(spec)[0]])
+    except ModelLoadError:
+        pass
+
+
 def load_model(name: str, weights: str, *, device: torch.device | None = None, channels_last: bool = True,
                numerics: Numerics = FLOAT32) -> LoadedModel:
     """Load ``name`` (``GREENSERVE_MODEL``) with ``weights`` (``GREENSERVE_WEIGHTS``) through its family, every
