@@ -61,12 +61,18 @@ class _Client:
 
     def post(self) -> Done:
         t0 = time.monotonic()
-        if self.conn is None:
-            self.conn = http.client.HTTPConnection(self.host, self.port, timeout=self.timeout_s)
+        reused = self.conn is not None
         try:
-            self.conn.request("POST", self.path, body=self.body, headers=self.headers)
-            resp = self.conn.getresponse()
-            data = resp.read()
+            resp, data = self._exchange()
+        except (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError) as exc:
+            self.close()
+            if not reused:
+                return Done(t0, time.monotonic() - t0, 0, self.images, error=type(exc).__name__)
+            try:  # the server closed the idle keep-alive connection first: once more on a new one, as SDKs do
+                resp, data = self._exchange()
+            except (OSError, http.client.HTTPException) as again:
+                self.close()
+                return Done(t0, time.monotonic() - t0, 0, self.images, error=type(again).__name__)
         except (OSError, http.client.HTTPException) as exc:
             self.close()
             return Done(t0, time.monotonic() - t0, 0, self.images, error=type(exc).__name__)
@@ -81,6 +87,13 @@ class _Client:
         except ValueError:
             code = "not_json"
         return Done(t0, seconds, resp.status, self.images, code, pid, resp.getheader("Retry-After"))
+
+    def _exchange(self) -> tuple[http.client.HTTPResponse, bytes]:
+        if self.conn is None:
+            self.conn = http.client.HTTPConnection(self.host, self.port, timeout=self.timeout_s)
+        self.conn.request("POST", self.path, body=self.body, headers=self.headers)
+        resp = self.conn.getresponse()
+        return resp, resp.read()
 
     def close(self) -> None:
         if self.conn is not None:

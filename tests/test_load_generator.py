@@ -78,3 +78,26 @@ def test_with_retry_after_a_refused_client_waits_as_told(server: str) -> None:
     load = Load(server, 1, {"images": ["a.jpg"]}, duration_s=1.5, retry_after=True).start().join()
     # every third answer is a 429 with Retry-After: 2, so the client stops after the first one
     assert [d.status for d in load.done] == [200, 200, 429], [d.status for d in load.done]
+
+
+class _Closer(_Handler):
+    """Answers, then drops the connection without saying so (an idle keep-alive timing out server-side)."""
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers["Content-Length"]))
+        self.send_response(200)
+        self.send_header("Content-Length", "2")
+        self.end_headers()
+        self.wfile.write(b"{}")
+        self.close_connection = True
+
+
+def test_a_keep_alive_connection_the_server_dropped_is_tried_once_more() -> None:
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), _Closer)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        load = Load(f"http://127.0.0.1:{srv.server_address[1]}", 1, {"images": []}, duration_s=0.3).start().join()
+    finally:
+        srv.shutdown()
+        srv.server_close()
+    assert len(load.done) > 2 and all(d.status == 200 for d in load.done), {d.error for d in load.done}
