@@ -120,3 +120,18 @@ def test_clients_that_do_not_ask_get_json(client: FlaskClient, accept: str) -> N
 def test_an_openai_body_gets_openais_json_whatever_it_accepts(client: FlaskClient) -> None:
     r = client.post("/v1/embeddings", json={"model": "fake", "input": ["g10.png"]}, headers=NDJSON)
     assert r.status_code == 200 and r.mimetype == "application/json" and r.json["object"] == "list"
+
+
+def test_a_bug_during_the_stream_ends_it_with_a_failed_line(client: FlaskClient,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    from service.pipeline import answers
+
+    def broken(*args: object) -> dict[str, Any]:
+        raise ZeroDivisionError("a bug")
+
+    monkeypatch.setattr(answers, "images", broken)
+    lines = ndjson(client, "/v1/embeddings", {"images": ["g10.png"]})
+    assert lines[-1]["event"] == "failed" and lines[-1]["status"] == 500
+    assert lines[-1]["error"]["code"] == "internal_error"
+    monkeypatch.undo()
+    assert client.post("/v1/embeddings", json={"images": ["g10.png"]}, headers=NDJSON).status_code == 200

@@ -19,6 +19,7 @@ No Flask here: ``routes`` wraps the iterator in a response.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,6 +35,7 @@ from service.http.context import RequestContext
 from service.http.dataplane import Parts, Served
 from service.pipeline.requests import InferenceRequest
 
+log = logging.getLogger(__name__)
 NDJSON = "application/x-ndjson"
 SSE = "text/event-stream"
 FORMATS = (NDJSON, SSE)
@@ -126,5 +128,9 @@ def _run(p: Parts, ctx: RequestContext, req: InferenceRequest, task: str,
         return answer.body, answer.served
     except GreenserveError as err:
         return err, Served(dataplane.size(req), {})
+    except Exception:  # a bug: logged with the request id, and the stream's last line says so
+        log.exception("request_id=%s unhandled error in a streamed answer", ctx.request_id,
+                      extra={"request_id": ctx.request_id, "code": "internal_error"})
+        return GreenserveError("internal error; report the request id"), Served(dataplane.size(req), {})
     finally:
         lines.queue.put(_END)
