@@ -1,5 +1,5 @@
 """The album page at ``/ui`` (a browser asking for ``/`` is sent there; any other client still gets KServe
-v1's liveness answer at ``/``): plain HTML, CSS and JS from ``static/``, no build step and no
+v1's liveness answer at ``/``): plain HTML, CSS and JS from ``page-files/``, no build step and no
 library. It calls this server's own API (a streamed /v1/embeddings or /v1/classify, then text embeddings
 for search and zero-shot labels); its Content-Security-Policy lets it reach nothing else. With
 GREENSERVE_API_TOKEN set the page asks for the token before it does anything."""
@@ -11,7 +11,7 @@ from pathlib import Path
 from flask import Blueprint, Response, redirect, request, send_from_directory
 
 bp = Blueprint("ui", __name__)
-STATIC = Path(__file__).resolve().parent / "static"
+STATIC = Path(__file__).resolve().parent / "page-files"  # not a name Python could import: data, not a package
 FILES = ("app.js", "style.css")
 # the page talks to this origin only; photos it shows are the user's own files (blob: URLs)
 CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' blob:; connect-src 'self'; "
