@@ -135,3 +135,18 @@ def test_a_bug_during_the_stream_ends_it_with_a_failed_line(client: FlaskClient,
     assert lines[-1]["error"]["code"] == "internal_error"
     monkeypatch.undo()
     assert client.post("/v1/embeddings", json={"images": ["g10.png"]}, headers=NDJSON).status_code == 200
+
+
+def test_a_streamed_answers_access_line_waits_for_the_streams_end(monkeypatch: pytest.MonkeyPatch) -> None:
+    from service import logs
+
+    lines: list[dict[str, Any]] = []
+    monkeypatch.setattr(logs, "access", lines.append)
+    client = make(FakeModel(delay_s=0.2), log_format="json", max_batch=1)
+    r = client.post("/v1/embeddings", json={"images": ["g10.png", "g100.png"]}, headers=NDJSON)
+    assert r.status_code == 200 and len(r.data.splitlines()) == 3
+    r.close()  # the WSGI iterable's close: where a server ends the response
+    assert len(lines) == 1, lines
+    line = lines[0]
+    assert line["streamed"] is True and line["images"] == 2 and line["status"] == 200
+    assert line["duration_ms"] >= 400 and set(line["timings_ms"]) >= {"decode", "inference", "total"}
