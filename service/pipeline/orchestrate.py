@@ -68,14 +68,6 @@ class Progress(Protocol):
     def item(self, item: dict[str, Any]) -> None: ...  # one image's (or text's) answer, or its error
 
 
-class _Silent:
-    def admitted(self) -> None:
-        pass
-
-    def item(self, item: dict[str, Any]) -> None:
-        pass
-
-
 class _ImageFailed(Exception):
     """Thrown into the request's greenlet when one of its images failed and partial results are off."""
 
@@ -90,16 +82,17 @@ class _Work:
     outcomes: dict[int, Row | ImageError]
     deadline: float
     request: gevent.Greenlet  # the greenlet running the request: ``abort`` interrupts it where it waits
-    progress: Progress
+    progress: Progress | None  # a streamed answer's; None: nobody listens, no line is built
     task: str
     req: InferenceRequest
     prompts: np.ndarray | None = None
     aborted: bool = False
 
     def settle(self, ref: ImageRef, outcome: Row | ImageError) -> None:
-        """``ref``'s outcome, told to ``progress`` as its answer at once."""
+        """``ref``'s outcome, told to ``progress`` (if any) as its answer at once."""
         self.outcomes[ref.index] = outcome
-        self.progress.item(answers.item(self.req, self.task, self.info, ref, outcome, self.prompts))
+        if self.progress is not None:
+            self.progress.item(answers.item(self.req, self.task, self.info, ref, outcome, self.prompts))
 
     def abort(self) -> None:
         """Once only: a second throw could land after the request has moved on to answering."""
@@ -140,7 +133,6 @@ class Orchestrator:
 
         With ``partial`` false the first unusable image ends the request at once: its other fetches are
         cancelled, its decodes stopped and its queued images dropped before the model."""
-        progress = progress or _Silent()
         if req.text.texts:
             return self.run_texts(req, deadline=deadline, caller=caller, progress=progress)
         info, outcomes, spans, prompts = self._collect(req, task, deadline, request_id, caller, progress)
@@ -150,13 +142,13 @@ class Orchestrator:
         """Each image's row (features and logits of one forward), in request order, for a protocol that
         encodes its own outputs (OIP v2 tensors). Any unusable image fails the whole request."""
         assert not req.partial and not req.text.texts and not req.text.prompts
-        info, outcomes, spans, _ = self._collect(req, "embeddings", deadline, request_id, caller, _Silent())
+        info, outcomes, spans, _ = self._collect(req, "embeddings", deadline, request_id, caller, None)
         rows = tuple(row for ref in req.refs if isinstance(row := outcomes[ref.index], Row))
         assert len(rows) == len(req.refs)  # not partial: a failure raised ImagesFailed
         return Rows(info, rows, spans.timings(texts=False))
 
     def _collect(self, req: InferenceRequest, task: str, deadline: float, request_id: str, caller: str,
-                 progress: Progress) -> tuple[ModelInfo, dict[int, Row | ImageError], Spans, np.ndarray | None]:
+                 progress: Progress | None) -> tuple[ModelInfo, dict[int, Row | ImageError], Spans, np.ndarray | None]:
         spans = Spans()
         outcomes: dict[int, Row | ImageError] = {r.index: r.error for r in req.refs if r.error is not None}
         if outcomes and not req.partial:
@@ -165,8 +157,9 @@ class Orchestrator:
                                caller=caller) as admission:
             info = self.runner.info
             assert info is not None  # admitted: the model is ready
-            progress.admitted()
-            admission.streamed = not isinstance(progress, _Silent)  # its first row goes at once
+            if progress is not None:
+                progress.admitted()
+                admission.streamed = True  # its first row goes at once
             work = _Work(admission, info, spans, outcomes, deadline, gevent.getcurrent(), progress, task, req)
             for ref in req.refs:
                 if ref.error is not None:  # refused at parsing (partial): its line goes first
@@ -189,12 +182,14 @@ class Orchestrator:
         spans = Spans()
         texts = req.text.texts
         with self.runner.admit(text_slots(len(texts)), coming=0, arrived=spans.started, caller=caller) as admission:
-            (progress or _Silent()).admitted()
+            if progress is not None:
+                progress.admitted()
             with _deadline_timeout(deadline, "texts"):
                 rows = self.texts.encode(texts, deadline=deadline, admission=admission, truncate=req.text.truncate)
         body = answers.texts(req, rows, spans)
-        for item in body["data"]:  # one forward for them all: their lines come together
-            (progress or _Silent()).item(item)
+        if progress is not None:
+            for item in body["data"]:  # one forward for them all: their lines come together
+                progress.item(item)
         return body
 
     def _process(self, req: InferenceRequest, work: _Work, request_id: str) -> None:
