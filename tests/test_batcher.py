@@ -62,7 +62,7 @@ class Policy:
     def taken(self, tag: float) -> None:
         self.taken_calls += 1
 
-    def batch_cap(self) -> int | None:
+    def batch_cap(self, seconds_per_image: float) -> int | None:
         return None
 
 

@@ -137,11 +137,10 @@ def test_over_http_the_heavy_caller_gets_429_and_the_others_are_served() -> None
 def test_forwards_are_short_only_while_callers_share_the_worker() -> None:
     callers = Callers(Settings(fair_quantum_ms=250))
     callers.admit("backfill", 30, seconds_per_image=0.05)
-    assert callers.batch_cap() is None, "one caller: its batches are as big as they come"
+    assert callers.batch_cap(0.05) is None, "one caller: its batches are as big as they come"
     callers.admit("search", 1, seconds_per_image=0.05)
-    assert callers.batch_cap() == 5  # 250 ms of 50 ms images
-    callers.admit("search", 1, seconds_per_image=0.4)
-    assert callers.batch_cap() == 1, "at least one image"
+    assert callers.batch_cap(0.05) == 5  # 250 ms of 50 ms images
+    assert callers.batch_cap(0.4) == 1, "at least one image"
 
 
 class _Streamed(Request):

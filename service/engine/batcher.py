@@ -55,7 +55,7 @@ class BatchPolicy(Protocol):
 
     def taken(self, tag: float) -> None: ...  # an image with this fair tag just left the queue for a batch
 
-    def batch_cap(self) -> int | None: ...  # fewer images per forward than max_batch for now (callers sharing)
+    def batch_cap(self, seconds_per_image: float) -> int | None: ...  # fewer per forward (callers sharing)
 
 
 @dataclass(frozen=True)
@@ -120,7 +120,7 @@ class Batcher:
         # None (unit tests): a non-full batch waits max_wait_s for more, and never gathers
         self._policy = policy
         self._last_submit = 0.0
-        # Images are served in their fair tags' order (``scheduling.FairTags``), not the order their bytes
+        # Images are served in their fair tags' order (``fairness.FairTags``), not the order their bytes
         # did: concurrent requests' images arrive interleaved (fetches overlap), and serving them in that
         # order would share the model between all requests (every one finishes near the end). A caller's
         # requests are tagged one after the other, so its first request finishes first, as a FIFO queue
@@ -184,7 +184,8 @@ class Batcher:
         batch = [first]
         if first.admission is not None and first.admission.first_at_once():
             return batch  # a streamed request's first row, as soon as its image is here
-        cap = min(self.max_batch, (self._policy.batch_cap() if self._policy else None) or self.max_batch)
+        shared = self._policy.batch_cap(self.stats.seconds_per_image) if self._policy else None
+        cap = min(self.max_batch, shared or self.max_batch)
         until = time.monotonic() + self.max_wait_s
         gather_until = time.monotonic() + GATHER_MAX_S
         while len(batch) < cap:

@@ -48,7 +48,6 @@ class Callers:
         self._tags = FairTags()
         self._admitted: dict[str, int] = {}  # admitted images per caller
         self._seen: dict[str, float] = {}  # when each recent caller was last admitted
-        self._seconds_per_image = 0.05
 
     def admit(self, caller: str, n_images: int, seconds_per_image: float) -> float:
         """The request's fair start tag, or 429 when the caller would go over its share. Alone, a request
@@ -61,7 +60,6 @@ class Callers:
                             f"{self._share}); retry after ~{wait:.1f}s or send fewer images at a time",
                             retry_after_s=wait)
         self._admitted[caller] = mine + n_images
-        self._seconds_per_image = seconds_per_image
         now = time.monotonic()
         self._seen[caller] = now
         if len(self._seen) > 64:
@@ -76,12 +74,13 @@ class Callers:
     def taken(self, tag: float) -> None:
         self._tags.taken(tag)
 
-    def batch_cap(self) -> int | None:
+    def batch_cap(self, seconds_per_image: float) -> int | None:
         """While more than one caller has work here (or had, within RECENT_CALLER_S), a forward holds
-        about GREENSERVE_FAIR_QUANTUM_MS of images: another caller's next image then waits for one short
-        forward, not for a gathered 30-image one (4 s for CLIP on 2 cores). One caller: no cap."""
+        about GREENSERVE_FAIR_QUANTUM_MS of images (at the batcher's measured ``seconds_per_image``): another
+        caller's next image then waits for one short forward, not for a gathered 30-image one (4 s for CLIP
+        on 2 cores). One caller: no cap."""
         now = time.monotonic()
         active = set(self._admitted) | {c for c, t in self._seen.items() if now - t < RECENT_CALLER_S}
         if len(active) < 2:
             return None
-        return max(1, int(self._quantum_s / max(self._seconds_per_image, 1e-6)))
+        return max(1, int(self._quantum_s / max(seconds_per_image, 1e-6)))

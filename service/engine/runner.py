@@ -215,7 +215,7 @@ class TextsComing:
     def taken(self, tag: float) -> None:
         self._scheduler.taken(tag)  # texts and images share the worker's one fair clock
 
-    def batch_cap(self) -> int | None:
+    def batch_cap(self, seconds_per_image: float) -> int | None:
         return None  # a text forward is ~10 ms: short enough whoever waits
 
 

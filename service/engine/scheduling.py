@@ -66,16 +66,14 @@ class CorePlan(Protocol):
 
 
 class Admission:
-    """One admitted request's place: when it arrived, its caller and fair start tag, how many of its
+    """One admitted request's place: when it arrived, its fair start tag, how many of its
     images are still on their way (being fetched or decoded), and whether it ended early."""
 
-    __slots__ = ("arrived", "caller", "start", "upstream", "cancelled", "streamed", "_submitted", "_scheduler")
+    __slots__ = ("arrived", "start", "upstream", "cancelled", "streamed", "_submitted", "_scheduler")
 
-    def __init__(self, scheduler: Scheduler, upstream: int, arrived: float, caller: str = "",
-                 start: float = 0.0) -> None:
+    def __init__(self, scheduler: Scheduler, upstream: int, arrived: float, start: float = 0.0) -> None:
         self._scheduler = scheduler
         self.arrived = arrived
-        self.caller = caller
         self.start = start
         self.upstream = upstream
         self.cancelled = False
@@ -142,7 +140,7 @@ class Scheduler:
         self._refuse_beyond(n_images, ready, seconds_per_image)
         start = self._callers.admit(caller, n_images, seconds_per_image)  # or 429: over its share
         coming = n_images if coming is None else coming
-        admission = Admission(self, coming, time.monotonic() if arrived is None else arrived, caller, start)
+        admission = Admission(self, coming, time.monotonic() if arrived is None else arrived, start)
         self._admitted += n_images
         self._upstream += coming
         self._admissions.append(admission)
@@ -162,9 +160,9 @@ class Scheduler:
             admission.upstream = 0
             metrics.QUEUE_IMAGES.dec(n_images)
 
-    def batch_cap(self) -> int | None:
+    def batch_cap(self, seconds_per_image: float) -> int | None:
         """Fewer images per forward while callers share the worker (``Callers.batch_cap``)."""
-        return self._callers.batch_cap()
+        return self._callers.batch_cap(seconds_per_image)
 
     def _refuse_beyond(self, n_images: int, ready: bool, seconds_per_image: float) -> None:
         """503 while loading or with the worker full. Alone, a request bigger than the bound is admitted: it

@@ -106,8 +106,7 @@ class Stream:
 def start(p: Parts, ctx: RequestContext, req: InferenceRequest, task: str, media_type: str) -> Stream:
     """Run ``req`` in its own greenlet; return once it holds its queue slots. What fails before that
     (not ready, overloaded, a refused image with ``partial`` false) raises here."""
-    dataplane.check_task(p.runner.info, req, task)
-    lines = _Lines()
+    lines = _Lines()  # ``dataplane.run`` checks the task first: a refusal ends the greenlet before admission
     work = gevent.spawn(_run, p, ctx, req, task, lines)
     gevent.wait([lines.ready, work], count=1)
     if not lines.ready.is_set():  # it ended before admission: only by failing
