@@ -53,6 +53,24 @@ def gzip_cases(url: str) -> list[tuple[str, requests.Response, int, str]]:
              200, "")]
 
 
+def native_gzip_cases(url: str) -> list[tuple[str, requests.Response, int, str]]:
+    """The native routes read a compressed body with the same reader: cut short or bombed is refused with the
+    native codes, and a form (werkzeug parses it from the wire) must come uncompressed."""
+    member = gzip.compress(json.dumps({"images": ["img000.jpg"]}).encode())
+    bomb = gzip.compress(b" " * (64 << 20), compresslevel=9)
+    zipped = {**JSON, "Content-Encoding": "gzip"}
+    form = {"Content-Type": "multipart/form-data; boundary=B", "Content-Encoding": "gzip"}
+    part = b'--B\r\nContent-Disposition: form-data; name="images"; filename="a.jpg"\r\n\r\nx\r\n--B--\r\n'
+    embed = f"{url}/v1/embeddings"
+    return [("native gzip cut at 3/4", requests.post(embed, data=member[:len(member) * 3 // 4], headers=zipped,
+                                                    timeout=TIMEOUT), 400, "malformed_body"),
+            ("native gzip, then a bomb member", requests.post(embed, data=member + bomb, headers=zipped,
+                                                               timeout=TIMEOUT), 413, "body_too_large"),
+            ("a gzip form", requests.post(embed, data=gzip.compress(part), headers=form, timeout=TIMEOUT),
+             415, "unsupported_content_encoding"),
+            ("native gzip, whole", requests.post(embed, data=member, headers=zipped, timeout=TIMEOUT), 200, "")]
+
+
 def hostile(url: str) -> list[tuple[str, requests.Response, int, str]]:
     """(what, response, status, code) for each hostile request."""
     post = requests.post
@@ -101,6 +119,7 @@ def hostile(url: str) -> list[tuple[str, requests.Response, int, str]]:
           for path in ("/v1/embeddings", "/v1/classify", f"/v1/models/{E2E_MODEL}:predict",
                        f"/predictions/{E2E_MODEL}")],
         *gzip_cases(url),
+        *native_gzip_cases(url),
     ]
 
 
