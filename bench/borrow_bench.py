@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
                 env = {"GREENSERVE_MODEL": args.model, "GREENSERVE_WEIGHTS": str(weights),
                        "GREENSERVE_DTYPE": "float32", "GREENSERVE_BORROW_IDLE_CORES": borrow}
                 label = f"{root.name} borrow={borrow}"
-                servers[label] = stack.enter_context(GunicornServer(env, workers=2, cwd=root))
+                servers[label] = stack.enter_context(GunicornServer(env, cache="off", workers=2, cwd=root))
         for srv in servers.values():
             closed_loop(srv.port, body, 2, 2.0)  # warm: both workers, every shape
         for r in range(args.rounds):

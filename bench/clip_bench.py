@@ -249,7 +249,7 @@ def text(model_name: str, weights: Path, cores: int) -> dict[str, Any]:
     yardstick, bare_one_ms = bare_texts(model_name, weights, cores, captions(256, seed=5), queries)
     env = {"GREENSERVE_MODEL": model_name, "GREENSERVE_WEIGHTS": str(weights), "GREENSERVE_LOG_LEVEL": "info"}
     rows = []
-    with GunicornServer(env, workers=cores, ready_timeout_s=300) as srv:
+    with GunicornServer(env, cache="off", workers=cores, ready_timeout_s=300) as srv:
         one = one_text_latency(srv.port, queries)
         print(json.dumps({"one text at a time": one, "bare one-text forward p50 ms": round(bare_one_ms, 1)}))
         for per_request in (1, 16, 256):

@@ -107,7 +107,7 @@ def server_for(design: Design, model: str, weights: Path, base_url: str,
                "GREENSERVE_IMAGE_BASE_URL": base_url, "GREENSERVE_LOG_LEVEL": "info", **GREENSERVE_LIMITS}
         if not design.defaults:  # an explicit thread count pins the layout (no borrowing), in float32
             env |= {"GREENSERVE_TORCH_THREADS": str(design.threads), **FLOAT32}
-        return GunicornServer(env, workers=design.processes, ready_timeout_s=READY_TIMEOUT_S, cwd=root)
+        return GunicornServer(env, cache="off", workers=design.processes, ready_timeout_s=READY_TIMEOUT_S, cwd=root)
     config = AppConfig(design.asyncio_mode, model, str(weights), base_url, design.threads)
     return UvicornServer(config, workers=design.processes, ready_timeout_s=READY_TIMEOUT_S)
 

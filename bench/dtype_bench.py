@@ -113,7 +113,7 @@ def server(requested: str, plan: Plan, weights: Path, base_url: str, cores: int)
     borrows idle siblings' cores), with its limits and GREENSERVE_DTYPE=requested."""
     env = {"GREENSERVE_MODEL": plan.model, "GREENSERVE_WEIGHTS": str(weights), "GREENSERVE_IMAGE_BASE_URL": base_url,
            "GREENSERVE_LOG_LEVEL": "info", **GREENSERVE_LIMITS, "GREENSERVE_DTYPE": requested}
-    return GunicornServer(env, workers=cores, ready_timeout_s=READY_TIMEOUT_S)
+    return GunicornServer(env, cache="off", workers=cores, ready_timeout_s=READY_TIMEOUT_S)
 
 
 def start_servers(dtypes: list[str], plan: Plan, weights: Path, base_url: str, cores: int,

@@ -83,7 +83,7 @@ def overhead(model: str, weights: Path, host: ImageHost, cores: int, rounds: int
     bare_first: list[float] = []
     timed: dict[tuple[str, str], list[tuple[float, float]]] = {}
     firsts: dict[tuple[str, str], list[float]] = {}
-    with GunicornServer(server_env(model, weights, host), workers=cores) as srv, \
+    with GunicornServer(server_env(model, weights, host), cache="off", workers=cores) as srv, \
             bare.BareProcess(model, weights, directory, threads=cores, reps=1) as b:
         clients = {"http.client": _HttpClient("127.0.0.1", srv.port), "requests": _RequestsClient(srv.url)}
         for client in clients.values():
@@ -152,7 +152,7 @@ def batching(model: str, weights: Path, host: ImageHost, cores: int) -> dict[str
     for label, extra in (("batched", {}), ("one request per forward",
                                          {"GREENSERVE_BATCH_ACROSS_REQUESTS": "false",
                                           "GREENSERVE_MAX_BATCH_WAIT_MS": "0"})):
-        with GunicornServer(server_env(model, weights, host, **extra), workers=cores) as srv:
+        with GunicornServer(server_env(model, weights, host, **extra), cache="off", workers=cores) as srv:
             r = run_open(srv.url, [name], rate_per_min=12000, duration_s=20, max_inflight=32)
         rows[label] = {"images_per_s": r.images_per_s, "mean_ms": r.latency.mean if r.latency else None,
                        "errors": r.errors, "healthz_p99_ms": r.health.p99 if r.health else None}
@@ -171,7 +171,7 @@ def borrow(model: str, weights: Path, album_dir: Path, names: list[str], host: I
                (f"greenserve {cores}x1 share only", cores, {"GREENSERVE_BORROW_IDLE_CORES": "false"}),
                (f"greenserve 1x{cores}", 1, {"GREENSERVE_TORCH_THREADS": str(cores)}))
     for label, workers, extra in layouts:
-        with GunicornServer(server_env(model, weights, host, **extra), workers=workers) as srv:
+        with GunicornServer(server_env(model, weights, host, **extra), cache="off", workers=workers) as srv:
             session = requests.Session()
             session.post(srv.url + "/v1/embeddings", json={"images": names[:4]}, timeout=300).raise_for_status()
             times = []
@@ -187,7 +187,7 @@ def balance(model: str, weights: Path, names: list[str], host: ImageHost, cores:
     """Pairs of simultaneous 30-photo requests on 2 workers: how often both land on one worker."""
     rows = {}
     for label, gate in (("accept gate (default)", "true"), ("no gate", "false")):
-        with GunicornServer(server_env(model, weights, host, GREENSERVE_ACCEPT_GATE=gate), workers=cores) as srv:
+        with GunicornServer(server_env(model, weights, host, GREENSERVE_ACCEPT_GATE=gate), cache="off", workers=cores) as srv:
             same, latencies = 0, []
 
             def one(out: list) -> None:
@@ -212,7 +212,8 @@ def balance(model: str, weights: Path, names: list[str], host: ImageHost, cores:
 def overload(model: str, weights: Path, names: list[str], host: ImageHost, cores: int) -> dict[str, Any]:
     """Open loop at 2x capacity with Python threads (k6 only times successes; here 503s are the point)."""
     queue_images = str(2 * len(names))  # per worker: the running request and one waiting
-    with GunicornServer(server_env(model, weights, host, GREENSERVE_MAX_QUEUE_IMAGES=queue_images), workers=cores) as srv:
+    with GunicornServer(server_env(model, weights, host, GREENSERVE_MAX_QUEUE_IMAGES=queue_images), cache="off",
+                        workers=cores) as srv:
         cap = run_open(srv.url, names, rate_per_min=600, duration_s=30, max_inflight=cores * 2)
         capacity_rps = cap.images_per_s / len(names)
         rate = 2 * capacity_rps

@@ -170,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
         env = {"GREENSERVE_MODEL": MODEL, "GREENSERVE_WEIGHTS": str(weights), "GREENSERVE_LOG_LEVEL": "info",
                "GREENSERVE_IMAGE_BASE_URL": host.base_url, "GREENSERVE_FETCH_ALLOW": "127.0.0.1/32"}
         for section in args.only:
-            with GunicornServer(env, workers=2, cwd=args.root) as srv:
+            with GunicornServer(env, cache="off", workers=2, cwd=args.root) as srv:
                 if section == "steady":
                     doc[section] = under(srv, names, contextlib.nullcontext(), 6.0)
                 elif section == "flood":

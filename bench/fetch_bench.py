@@ -173,7 +173,7 @@ def main() -> None:
         base = {latency: sequential(urls(host, latency, "seq")) * 1000 for latency in LATENCIES_MS}
         stages = {}
         for concurrency in CONCURRENCIES:
-            with GunicornServer({**env, "GREENSERVE_FETCH_CONCURRENCY": str(concurrency)}, workers=1) as server:
+            with GunicornServer({**env, "GREENSERVE_FETCH_CONCURRENCY": str(concurrency)}, cache="off", workers=1) as server:
                 stages[concurrency] = fetch_stages(server, host, args.reps)
                 if concurrency == CONCURRENCIES[0]:
                     busy = busy_table(server, host, args.busy_requests)

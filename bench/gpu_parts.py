@@ -207,7 +207,7 @@ def serve(layout: Any, model: str, weights: Path, image_base_url: str, ready_s: 
            "GREENSERVE_LOG_LEVEL": "info", "GREENSERVE_MAX_QUEUE_IMAGES": "1024", "GREENSERVE_REQUEST_TIMEOUT_S": "60",
            **({"GREENSERVE_MAX_BATCH": "64"} if layout.device == "cuda" else {}),
            **({"GREENSERVE_JPEG_DECODE": layout.jpeg} if layout.jpeg else {})}
-    return GunicornServer(env, workers=layout.workers, ready_timeout_s=ready_s)  # it waits for the "ready" lines
+    return GunicornServer(env, cache="off", workers=layout.workers, ready_timeout_s=ready_s)  # it waits for the "ready" lines
 
 
 def stage(url: str, names: Sequence[str], worker: int, clients: int, seconds: float) -> dict[str, Any]:

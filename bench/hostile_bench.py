@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     weights = bare.save_random_weights(args.model, OUT / "weights" / f"{bare.slug(args.model)}-seed0.pt")
     rows = []
     env = {"GREENSERVE_MODEL": args.model, "GREENSERVE_WEIGHTS": str(weights), "GREENSERVE_DTYPE": "float32"}
-    with GunicornServer(env, workers=1) as srv:
+    with GunicornServer(env, cache="off", workers=1) as srv:
         (pid,) = srv.worker_pids()
         for name, attack in attacks(args.model).items():
             idle = rss_bytes(pid)

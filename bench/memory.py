@@ -68,7 +68,7 @@ def measure(model: str, weights: Path, mode: str, workers: int) -> dict[str, obj
            "GREENSERVE_CHANNELS_LAST": "false" if mode == "plain" else "true",
            "GREENSERVE_LOG_LEVEL": "info"}  # launch waits for the "model ready" lines
     image = "data:image/jpeg;base64," + base64.b64encode(_jpeg()).decode()
-    with GunicornServer(env, workers=workers, ready_timeout_s=300) as srv:
+    with GunicornServer(env, cache="off", workers=workers, ready_timeout_s=300) as srv:
         served = set()
         for _ in range(20 * workers):
             r = requests.post(srv.url + "/v1/embeddings", json={"images": [image]}, timeout=120)

@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
                "GREENSERVE_IMAGE_BASE_URL": host.base_url,
                # 30 12-MP photos are 88 MB as files, 117 MB as base64: over the default 64 MB body cap
                "GREENSERVE_MAX_BODY_BYTES": str(BODY_CAP)}
-        with GunicornServer(env, workers=cores, ready_timeout_s=300) as srv:
+        with GunicornServer(env, cache="off", workers=cores, ready_timeout_s=300) as srv:
             rows = run(modes(srv.url, args.model, album, host), args.reps)
     print(table(rows))
     OUT.mkdir(exist_ok=True)

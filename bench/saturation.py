@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
                        "GREENSERVE_IMAGE_BASE_URL": host.base_url, "GREENSERVE_TORCH_THREADS": str(threads), **LIMITS}
                 where = "" if len(roots) == 1 else f" ({root.resolve().name})"
                 servers[f"greenserve {workers}x{threads}{where}"] = (workers, stack.enter_context(
-                    GunicornServer(env, workers=workers, ready_timeout_s=300, cwd=root)))
+                    GunicornServer(env, cache="off", workers=workers, ready_timeout_s=300, cwd=root)))
         for _, srv in servers.values():
             steady(srv.port, body, 1, 0.1)  # warm: the album's shapes once
         for r in range(args.rounds):

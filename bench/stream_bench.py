@@ -128,9 +128,9 @@ def main(argv: list[str] | None = None) -> int:
         env = {"GREENSERVE_MODEL": args.model, "GREENSERVE_WEIGHTS": str(weights),
                "GREENSERVE_IMAGE_BASE_URL": host.base_url, **LIMITS}
         servers = {f"greenserve ({root.resolve().name})": (False, stack.enter_context(
-            GunicornServer(env, workers=1, ready_timeout_s=300, cwd=root))) for root in roots}
+            GunicornServer(env, cache="off", workers=1, ready_timeout_s=300, cwd=root))) for root in roots}
         servers[f"capped at {CAP} ({ROOT.name})"] = (True, stack.enter_context(GunicornServer(
-            {**env, "GREENSERVE_MAX_CALLER_IMAGES": str(CAP)}, workers=1, ready_timeout_s=300)))
+            {**env, "GREENSERVE_MAX_CALLER_IMAGES": str(CAP)}, cache="off", workers=1, ready_timeout_s=300)))
         for _, srv in servers.values():
             plain_once(srv.port, {"images": names})  # warm: the album's shapes once
         labels = list(servers)

@@ -14,9 +14,16 @@ Serves in-memory blobs and/or a directory on 127.0.0.1. Per-request knobs in the
     gzip=1         send the body gzip-encoded (Content-Encoding: gzip)
     encoding=E     claim Content-Encoding E without encoding the body (a lying or exotic host)
     reset=1        reset the connection (RST) instead of answering
+    validators=0   send neither ETag nor Last-Modified (validators=lm: Last-Modified only)
+    cache_control=V  send Cache-Control V (no-store, max-age=60, ...)
 
-The host counts what it saw: ``hits`` per path, ``connections`` accepted (keep-alive shows as fewer
-connections than requests), ``max_inflight`` requests handled at once. ``tls=`` serves HTTPS.
+Every image goes out with a strong ETag (its content's digest) and a Last-Modified (when ``replace`` last
+set it), and a conditional GET whose If-None-Match (or, without one, If-Modified-Since) still holds gets
+304 Not Modified without the body, as real image hosts and CDNs answer.
+
+The host counts what it saw: ``hits`` per path, ``not_modified`` 304s and ``body_bytes`` sent,
+``connections`` accepted (keep-alive shows as fewer connections than requests), ``max_inflight`` requests
+handled at once. ``tls=`` serves HTTPS.
 
 ``python -m harness.imagehost --dir DIR --port P [--latency-ms L]`` runs it standalone.
 """
@@ -24,7 +31,9 @@ connections than requests), ``max_inflight`` requests handled at once. ``tls=`` 
 from __future__ import annotations
 
 import argparse
+import email.utils
 import gzip
+import hashlib
 import mimetypes
 import os
 import socket
@@ -37,6 +46,8 @@ from collections import Counter
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import parse_qs, urlsplit
+
+START = float(int(time.time()))  # the Last-Modified of every image not replaced since the host started
 
 
 class _Server(ThreadingHTTPServer):
@@ -114,7 +125,11 @@ class _Handler(BaseHTTPRequestHandler):
         if body is None:
             return self._plain(404, b"no such image", {})
         ctype = q.get("ctype") or mimetypes.guess_type(name)[0] or "application/octet-stream"
-        headers = {"Content-Type": ctype}
+        headers = {"Content-Type": ctype, **self._validators(name, body, q)}
+        if self._not_modified(headers):
+            with host.lock:
+                host.not_modified += 1
+            return self._send(304, {k: v for k, v in headers.items() if k != "Content-Type"})
         if q.get("gzip"):
             body = gzip.compress(body)
             headers["Content-Encoding"] = "gzip"
@@ -142,8 +157,30 @@ class _Handler(BaseHTTPRequestHandler):
             return
         try:
             self.wfile.write(body)
+            with host.lock:
+                host.body_bytes += len(body)
         except OSError:
             pass  # the client hung up mid-body (a byte cap or a deadline): nothing left to do
+
+    def _validators(self, name: str, body: bytes, q: dict[str, str]) -> dict[str, str]:
+        mode = q.get("validators", "1")
+        headers = {"Cache-Control": q["cache_control"]} if "cache_control" in q else {}
+        if mode in ("1", "etag"):
+            headers["ETag"] = '"' + hashlib.sha256(body).hexdigest()[:20] + '"'
+        if mode in ("1", "lm"):
+            headers["Last-Modified"] = email.utils.formatdate(self.server.host.modified.get(name, START), usegmt=True)
+        return headers
+
+    def _not_modified(self, headers: dict[str, str]) -> bool:
+        if "ETag" in headers and self.headers.get("If-None-Match"):
+            return headers["ETag"] in [t.strip() for t in self.headers["If-None-Match"].split(",")]
+        since, modified = self.headers.get("If-Modified-Since"), headers.get("Last-Modified")
+        if since and modified and not self.headers.get("If-None-Match"):
+            try:
+                return email.utils.parsedate_to_datetime(modified) <= email.utils.parsedate_to_datetime(since)
+            except (TypeError, ValueError):
+                return False
+        return False
 
     def _send(self, status: int, headers: dict[str, str]) -> None:
         self.send_response(status)
@@ -184,10 +221,19 @@ class ImageHost:
         self.hits: Counter[str] = Counter()
         self.hits_full: Counter[str] = Counter()
         self.headers_seen: list[dict[str, str]] = []
+        self.modified: dict[str, float] = {}  # Unix time each name was last replaced (else START)
+        self.not_modified = 0
+        self.body_bytes = 0
         self.connections = 0
         self.inflight = 0
         self.max_inflight = 0
         self._server: _Server | None = None
+
+    def replace(self, name: str, data: bytes) -> None:
+        """Serve ``data`` as ``name`` from now on: a new ETag, and a Last-Modified at least a second later."""
+        with self.lock:
+            self.blobs[name] = data
+            self.modified[name] = max(time.time(), self.modified.get(name, START) + 1)
 
     def get(self, name: str) -> bytes | None:
         if name in self.blobs:

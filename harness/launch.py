@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -89,11 +90,20 @@ class GunicornServer(ServerProcess):
 
     kind = "greenserve"
 
-    def __init__(self, env: dict[str, str], *, workers: int = 2, port: int | None = None,
+    def __init__(self, env: dict[str, str], *, workers: int = 2, port: int | None = None, cache: str = "fresh",
                  ready_timeout_s: float = 120.0, extra_args: list[str] | None = None, cwd: Path = ROOT) -> None:
-        """``cwd``: the checkout whose greenserve runs (another one's, to measure an earlier commit)."""
+        """``cwd``: the checkout whose greenserve runs (another one's, to measure an earlier commit).
+        ``cache``: "fresh" runs the default embedding cache in a directory of this server's own (removed
+        when it stops), so no test finds another's entries; "off" turns it off (benchmarks that repeat an
+        album measure the model, not the cache), where the checkout has one. ``env`` wins over both."""
         port = port or free_port()
         child_env = {k: v for k, v in os.environ.items() if not k.startswith("GREENSERVE_")}
+        self.cache_dir: str | None = None
+        if cache == "fresh" and "GREENSERVE_CACHE_DIR" not in env:
+            self.cache_dir = tempfile.mkdtemp(prefix="greenserve-cache-")
+            child_env["GREENSERVE_CACHE_DIR"] = self.cache_dir
+        elif cache == "off" and (cwd / "service" / "cache").is_dir():
+            child_env["GREENSERVE_CACHE"] = "off"
         child_env.update({"GREENSERVE_BIND": f"127.0.0.1:{port}", "GREENSERVE_WORKERS": str(workers),
                           "PYTHONUNBUFFERED": "1", **env})
         super().__init__(child_env, workers=workers, port=port, ready_timeout_s=ready_timeout_s, cwd=cwd)
@@ -105,6 +115,11 @@ class GunicornServer(ServerProcess):
     def __enter__(self) -> GunicornServer:
         self.start()
         return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+        if self.cache_dir:
+            shutil.rmtree(self.cache_dir, ignore_errors=True)
 
     def worker_pids(self) -> set[int]:
         """PIDs of the master's live children (the workers)."""

@@ -3,6 +3,7 @@
     settings ─▶ balance (this worker's connections, load and accept gate; from gunicorn's worker)
              ─▶ runner (model + inference thread + decode pool + batcher; reads the siblings' loads)
              ─▶ fetcher (concurrent, bounded URL fetching)
+             ─▶ cache (embeddings by image content: memory, then disk or redis; GREENSERVE_CACHE)
              ─▶ orchestrator (fetch → decode → infer → postprocess for one request)
              ─▶ http (hooks, native routes, the protocols' routes, /openapi.json, the page at /: every blueprint
                 registered here; the body guard around them)
@@ -17,6 +18,8 @@ from flask import Flask
 
 from service import logs, metrics
 from service.balance.gate import Balance, Policy
+from service.cache import tiers
+from service.cache.tiers import EmbeddingCache
 from service.engine.loading import import_family, load_for_worker
 from service.engine.runner import Model, Runner
 from service.http import hooks, openapi, protocols, routes, ui
@@ -32,9 +35,11 @@ log = logging.getLogger(__name__)
 
 
 def create_app(settings: Settings | None = None, *, model: Model | None = None,
-               fetcher: Fetcher | None = None, balance: Balance | None = None) -> Flask:
+               fetcher: Fetcher | None = None, balance: Balance | None = None,
+               cache: EmbeddingCache | None = None) -> Flask:
     """Build the app. Without ``model`` the real one loads in the background (``/readyz`` says when);
-    ``balance`` is the gunicorn worker's (``wsgi.py``), else one that only counts."""
+    ``balance`` is the gunicorn worker's (``wsgi.py``), else one that only counts; ``cache`` replaces the
+    embedding cache ``GREENSERVE_CACHE`` names."""
     settings = settings or Settings.from_env()
     logs.configure(settings.log_level, settings.log_format)
     configure_pillow(settings.max_image_pixels)
@@ -45,7 +50,8 @@ def create_app(settings: Settings | None = None, *, model: Model | None = None,
                     loader=None if model else functools.partial(load_for_worker, settings, balance.slot, device_decode))
     texts = TextEncoder(runner, settings.label_cache_size)
     orchestrator = Orchestrator(runner, fetcher or HttpFetcher(settings), texts, max_pixels=settings.max_image_pixels,
-                                on_image_error=lambda err: metrics.IMAGE_ERRORS.labels(err.code).inc())
+                                on_image_error=lambda err: metrics.IMAGE_ERRORS.labels(err.code).inc(),
+                                cache=cache if cache is not None else tiers.from_settings(settings))
     app = Flask("greenserve")
     app.extensions["greenserve"] = {"settings": settings, "runner": runner, "orchestrator": orchestrator,
                                     "balance": balance, "texts": texts}

@@ -49,6 +49,17 @@ CALLER_REQUESTS = Counter("greenserve_caller_requests_total", "Requests by how t
                           "caller class: token, header, forwarded, address), never by caller", ["source"])
 LAST_FORWARD = Gauge("greenserve_last_forward_timestamp_seconds", "When a worker last ran an image batch (Unix "
                      "time; OIP statistics' last_inference)", multiprocess_mode="max")
+CACHE_LOOKUPS = Counter("greenserve_cache_lookups_total", "Images looked up in the embedding cache: hit (no decode, "
+                        "no forward), miss, or bypass (cache-control no-store, or the store did not answer)",
+                        ["result"])
+CACHE_REVALIDATIONS = Counter("greenserve_cache_revalidations_total", "Conditional re-fetches of image URLs: "
+                              "not_modified (304), modified (200), fresh (inside max-age: not asked)", ["outcome"])
+CACHE_WRITTEN_BYTES = Counter("greenserve_cache_written_bytes_total", "Bytes of entries written, by store", ["store"])
+CACHE_BYTES = Gauge("greenserve_cache_memory_bytes", "Bytes in the workers' in-memory caches, summed over live "
+                    "workers", multiprocess_mode="livesum")
+CACHE_EVICTIONS = Counter("greenserve_cache_evictions_total", "Entries evicted for the size cap, by store", ["store"])
+CACHE_STORE_ERRORS = Counter("greenserve_cache_store_errors_total", "Cache calls that failed or timed out (the "
+                             "request went on without that store), by store", ["store"])
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 

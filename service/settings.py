@@ -7,7 +7,6 @@ Each field carries its variable name, unit and one-line doc in its metadata, so 
 from __future__ import annotations
 
 import dataclasses
-import ipaddress
 import os
 import re
 from collections.abc import Callable, Mapping
@@ -15,11 +14,16 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
+from service.settings_parse import SettingsError, check_allow_entry, parse, range_text
+
+__all__ = ["Settings", "SettingsError", "default_workers", "env_name", "settings_table"]
+
 ENV_PREFIX = "GREENSERVE_"
 WEIGHTS_MODES = ("auto", "imagenet", "random")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 CPU_BF16_MODES = ("auto", "yes", "no")
 JPEG_DECODE_MODES = ("auto", "pillow", "device")
+CACHE_MODES = ("off", "memory", "disk")
 _DEVICE_RE = re.compile(r"^(cpu|auto|cuda(:\d+)?)$")
 _TAG_RE = re.compile(r"^[A-Za-z0-9][\w.-]*$")  # open_clip pretrained tags: laion2b_s34b_b79k, openai
 
@@ -27,10 +31,6 @@ _TAG_RE = re.compile(r"^[A-Za-z0-9][\w.-]*$")  # open_clip pretrained tags: laio
 # torch threads a ViT worker gets by default: with one worker x 2 threads on 2 cores, 5 albums at once
 # averaged 0.78-0.82x the naive asyncio design's latency, against 0.85-0.96x for 2 workers x 1 (3 runs)
 VIT_THREADS = 2
-
-
-class SettingsError(ValueError):
-    """A GREENSERVE_* variable has a value the server cannot start with."""
 
 
 def _cpu_count() -> int:
@@ -115,6 +115,18 @@ class Settings:
     max_text_chars: int = _setting(2000, "characters per text, query, label or template", parse="int", lo=1,
                                    hi=1_000_000)
     max_labels: int = _setting(1000, "labels per zero-shot classify request", parse="int", lo=1, hi=100_000)
+    cache: str = _setting("disk", "off | memory | disk | redis://host:6379/0: where image embeddings are kept by "
+                          "content (docs/CACHE.md). disk: one sqlite file shared by the host's workers, which an "
+                          "album re-sync and a restart both find; memory: each worker's own; redis: a fleet's")
+    cache_dir: str = _setting("", "directory of the disk cache; empty: $XDG_CACHE_HOME/greenserve (~/.cache/greenserve)")
+    cache_memory_mb: int = _setting(64, "memory each worker keeps for recent entries (LRU), in front of disk or "
+                                    "redis", unit="MB", parse="int", lo=1, hi=1_000_000)
+    cache_disk_mb: int = _setting(1024, "size cap of the disk cache (least recently used entries go first)",
+                                  unit="MB", parse="int", lo=1, hi=10_000_000)
+    cache_ttl_s: int = _setting(30 * 86400, "how long an entry lives in the disk cache or redis; 0: until evicted",
+                                unit="s", parse="int", lo=0, hi=10 * 365 * 86400)
+    cache_timeout_ms: float = _setting(100.0, "the longest one cache call may wait for disk or redis before the "
+                                       "request goes on without the cache", unit="ms", parse="float", lo=1, hi=10_000)
     label_cache_size: int = _setting(4096, "text embeddings of labels and queries each worker keeps (LRU), so a "
                                      "repeated label set costs no text forward", parse="int", lo=0, hi=10_000_000)
     max_text_batch: int = _setting(64, "texts per text forward pass", parse="int", lo=1, hi=4096)
@@ -189,6 +201,10 @@ class Settings:
         """Explicit, else this worker's share of the cores, at least 2 (decode overlaps inference)."""
         return self.decode_threads or max(2, (cores or _cpu_count()) // self.workers)
 
+    def cache_directory(self) -> str:
+        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        return self.cache_dir or os.path.join(base, "greenserve")
+
     @property
     def base_origin(self) -> str | None:
         if not self.image_base_url:
@@ -204,7 +220,7 @@ class Settings:
             lo, hi = f.metadata["lo"], f.metadata["hi"]
             if lo is not None and value < lo or hi is not None and value > hi:
                 raise SettingsError(f"{env_name(f.name)}={value!r} is out of range; allowed "
-                                    f"{_range_text(lo, hi)}")
+                                    f"{range_text(lo, hi)}")
         unknown = sorted(set(self.caller_from) - set(ALL_CALLER_SOURCES))
         if unknown or not self.caller_from:
             raise SettingsError(f"GREENSERVE_CALLER_FROM={','.join(self.caller_from)!r}: use one or more of "
@@ -223,7 +239,7 @@ class Settings:
                 raise SettingsError(f"GREENSERVE_IMAGE_BASE_URL={self.image_base_url!r} must be an absolute "
                                     "http(s) URL")
         for entry in self.fetch_allow:
-            _check_allow_entry(entry)
+            check_allow_entry(entry)
         if self.dtype not in DTYPES:
             raise SettingsError(f"GREENSERVE_DTYPE={self.dtype!r} is not one of {', '.join(DTYPES)}")
         if self.jpeg_decode not in JPEG_DECODE_MODES:
@@ -235,6 +251,9 @@ class Settings:
             raise SettingsError(f"GREENSERVE_MAX_IDLE_CONNECTIONS={self.max_idle_connections} must be below "
                                 f"GREENSERVE_WORKER_CONNECTIONS={self.worker_connections}, or idle connections "
                                 "could fill the worker")
+        if self.cache not in CACHE_MODES and not self.cache.startswith(("redis://", "rediss://", "unix://")):
+            raise SettingsError(f"GREENSERVE_CACHE={self.cache!r} is not one of {', '.join(CACHE_MODES)} or a "
+                                "redis://host:port/db URL")
         if self.log_level not in ("debug", "info", "warning", "error"):
             raise SettingsError(f"GREENSERVE_LOG_LEVEL={self.log_level!r} is not debug/info/warning/error")
         if self.log_format not in ("text", "json"):
@@ -251,7 +270,7 @@ class Settings:
         values = {}
         for name, f in known.items():
             if name in environ:
-                values[f.name] = _parse(name, environ[name], f.metadata["parse"])
+                values[f.name] = parse(name, environ[name], f.metadata["parse"])
         if "workers" not in values:
             values["workers"] = default_workers(str(values.get("model", cls.model)), _cpu_count())
         return cls(**values)
@@ -287,44 +306,3 @@ def settings_table() -> str:
         doc = f.metadata["doc"].replace("|", "\\|")
         rows.append(f"| `{env_name(f.name)}` | {shown} | {f.metadata['unit']} | {doc} |")
     return "\n".join(rows)
-
-
-def _parse(name: str, raw: str, kind: str) -> Any:
-    raw = raw.strip()
-    try:
-        if kind == "int":
-            return int(raw.replace("_", ""))
-        if kind == "float":
-            return float(raw)
-    except ValueError:
-        raise SettingsError(f"{name}={raw!r} is not a {'whole number' if kind == 'int' else 'number'}") from None
-    if kind == "bool":
-        if raw.lower() in ("1", "true", "yes", "on"):
-            return True
-        if raw.lower() in ("0", "false", "no", "off"):
-            return False
-        raise SettingsError(f"{name}={raw!r} is not a boolean; use true or false")
-    if kind == "list":
-        return tuple(p.strip() for p in raw.split(",") if p.strip())
-    return raw
-
-
-def _range_text(lo: float | None, hi: float | None) -> str:
-    if hi is None:
-        return f">= {lo}"
-    return f"{lo}..{hi}"
-
-
-def _check_allow_entry(entry: str) -> None:
-    if "://" in entry:
-        parts = urlsplit(entry)
-        if parts.scheme in ("http", "https") and parts.hostname and parts.path in ("", "/"):
-            return
-    else:
-        try:
-            ipaddress.ip_network(entry, strict=False)
-            return
-        except ValueError:
-            pass
-    raise SettingsError(f"GREENSERVE_FETCH_ALLOW entry {entry!r} is neither an origin like "
-                        "http://10.0.0.5:9000 nor a CIDR like 10.0.0.0/8")

@@ -16,6 +16,19 @@ CLIP_ARCH = "ViT-S-32-alt"  # 43 M parameters: the smallest open_clip CLIP with 
 E2E_MODEL = "resnet18"  # small real torchvision model; weights saved to a temp file (no download here)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _private_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Apps built in this process keep their disk cache under this run's temporary directory, never in the
+    user's ~/.cache (an entry from another run would answer instead of the model). Servers the harness
+    starts get a directory of their own (``GunicornServer``)."""
+    from service.settings import Settings
+
+    directory = str(tmp_path_factory.mktemp("embedding-cache"))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(Settings, "cache_directory", lambda self: self.cache_dir or directory)
+        yield
+
+
 @pytest.fixture(scope="session")
 def weights_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A resnet18 state dict with seeded random weights, saved the way users save theirs."""

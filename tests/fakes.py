@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator, Sequence
+import uuid
+from collections.abc import Iterator, Mapping, Sequence
 
 import numpy as np
 import torch
 
 from service.engine.types import ModelInfo, Transform
 from service.errors import FetchError, ImageError
+from service.pipeline.fetch import Fetched, Validators
 
 LABELS = tuple(f"label{i}" for i in range(10))
 
@@ -18,8 +20,9 @@ class FakeModel:
     """Embedding = per-channel means repeated; logits favour class (mean brightness // 26)."""
 
     def __init__(self, fail_when_batch_has: int | None = None, delay_s: float = 0.0) -> None:
+        # a digest of its own: each fake is another model, so no entry of the embedding cache outlives it
         self.info = ModelInfo("fake", ("embeddings", "classify"), 6, LABELS, "cpu", "float32", "random",
-                              Transform(resize_size=32, crop_size=32))
+                              Transform(resize_size=32, crop_size=32), weights_digest=uuid.uuid4().hex)
         self.fail_when_batch_has = fail_when_batch_has
         self.delay_s = delay_s
         self.batches: list[int] = []
@@ -47,8 +50,9 @@ class FakeFetcher:
         self.blobs = blobs
         self.calls: list[str] = []
 
-    def fetch_many(self, urls: Sequence[str], *, deadline: float | None = None,
-                   request_id: str = "") -> Iterator[tuple[int, bytes | ImageError]]:
+    def fetch_many(self, urls: Sequence[str], *, deadline: float | None = None, request_id: str = "",
+                   validators: Mapping[str, Validators] | None = None) -> Iterator[tuple[int, Fetched | ImageError]]:
         for i, url in enumerate(urls):
             self.calls.append(url)
-            yield i, self.blobs.get(url, FetchError(f"HTTP 404 for {url}", code="fetch_failed"))
+            blob = self.blobs.get(url, FetchError(f"HTTP 404 for {url}", code="fetch_failed"))
+            yield i, blob if isinstance(blob, ImageError) else Fetched(blob)

@@ -21,7 +21,7 @@ import pytest
 
 from harness.imagehost import Canary, ImageHost
 from service.errors import ImageError
-from service.pipeline import fetch
+from service.pipeline import fetch_body
 from service.pipeline.fetch import HttpFetcher
 from service.pipeline.ssrf import AddressPolicy
 from service.settings import Settings
@@ -174,7 +174,7 @@ def test_a_long_read_yields_to_the_hub_after_every_chunk(host: ImageHost, monkey
     real_sleep = gevent.sleep
     monkeypatch.setattr(gevent, "sleep", lambda s=0, *a, **k: (sleeps.append(s), real_sleep(s, *a, **k))[1])
     assert make(host).fetch(host.url("zeros.jpg")) == BLOBS["zeros.jpg"]
-    assert sleeps.count(0) >= len(BLOBS["zeros.jpg"]) // fetch.CHUNK_BYTES
+    assert sleeps.count(0) >= len(BLOBS["zeros.jpg"]) // fetch_body.CHUNK_BYTES
 
 
 def test_a_body_cut_short_fails_and_the_fetcher_carries_on(host: ImageHost) -> None:
@@ -213,7 +213,7 @@ def test_non_http_url_is_invalid(host: ImageHost) -> None:
 def test_duplicate_urls_are_fetched_once(host: ImageHost) -> None:
     url, other = host.url("a.jpg", t="dup"), host.url("a.jpg", t="dup2")
     results = dict(make(host).fetch_many([url, other, url, url, url, other]))
-    assert sorted(results) == [0, 1, 2, 3, 4, 5] and all(r == JPEG for r in results.values())
+    assert sorted(results) == [0, 1, 2, 3, 4, 5] and all(r.data == JPEG for r in results.values())
     assert hits(host, url) == 1 and hits(host, other) == 1
 
 
@@ -222,7 +222,7 @@ def test_thirty_urls_at_200ms_take_about_one_latency(host: ImageHost) -> None:
     started = time.monotonic()
     results = list(make(host, fetch_concurrency=16).fetch_many(urls))
     elapsed = time.monotonic() - started
-    assert len(results) == 30 and all(r == JPEG for _, r in results)
+    assert len(results) == 30 and all(r.data == JPEG for _, r in results)
     assert elapsed < 2.0, f"{elapsed:.2f}s: fetched one after another (30 x 0.2 s = 6 s)?"
 
 

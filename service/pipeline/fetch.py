@@ -3,14 +3,13 @@
     fetch_many  a gevent pool per request (GREENSERVE_FETCH_CONCURRENCY) inside a per-worker cap
                 (GREENSERVE_FETCH_WORKER_CONCURRENCY); a URL given twice is fetched once; results come in
                 completion order so decoding starts with the first image back
-    fetch       one image under a *total* deadline (gevent.Timeout: requests' timeouts are per socket read,
+    fetch_one   one image under a *total* deadline (gevent.Timeout: requests' timeouts are per socket read,
                 and a drip-feeding host never trips them); bounded retries with jittered backoff for connect
-                errors and 429/502/503/504, Retry-After honoured when it fits the deadline; never for 4xx
+                errors and 429/502/503/504, Retry-After honoured when it fits the deadline; never for 4xx.
+                With ``Validators`` it asks If-None-Match / If-Modified-Since, and a 304 is ``Fetched(None)``
     _follow     one attempt: redirects followed by hand, every hop checked by the address guard (ssrf.py),
                 which also makes the connection go to exactly the checked address
-    _read       the body streamed against GREENSERVE_MAX_IMAGE_BYTES (Content-Length first, then as bytes
-                arrive); gzip/deflate decoded here, within the same cap; the bytes, not Content-Type, decide
-                whether it is an image
+    read_body   the body streamed against GREENSERVE_MAX_IMAGE_BYTES, decoded and sniffed (``fetch_body``)
 
 One ``requests.Session`` per worker keeps connections alive per host. Its sockets are gevent's (see
 ``ssrf.PinnedHTTPConnection``), so the hub only waits. Every failure is an ``ImageError`` with a stable
@@ -23,8 +22,8 @@ import email.utils
 import logging
 import random
 import time
-import zlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from datetime import timezone
 from http.cookiejar import DefaultCookiePolicy
 from typing import Protocol
@@ -34,33 +33,52 @@ import gevent
 import gevent.pool
 import requests
 from gevent.lock import BoundedSemaphore
-from urllib3.exceptions import HTTPError as Urllib3Error
 
-from service.errors import FetchError, ImageError, ImageTooLarge, NotAnImage
-from service.pipeline.decode import sniff_refused_format
+from service.errors import FetchError, ImageError
+from service.pipeline.fetch_body import read_body, reason
 from service.pipeline.ssrf import SCHEMES, AddressPolicy, GuardedAdapter, url_not_allowed
 from service.settings import Settings
 
 log = logging.getLogger(__name__)
 
-CHUNK_BYTES = 64 * 1024
-SNIFF_BYTES = 1024  # enough for every magic number decode.py knows, SVG's "<svg" included
 USER_AGENT = "greenserve/0.1 (+image fetcher)"
 RETRY_STATUSES = frozenset({429, 502, 503, 504})
 REDIRECT_STATUSES = frozenset({301, 302, 303, 307, 308})
 BACKOFF_BASE_S = 0.1  # first retry after ~0.1 s, then 0.2, 0.4 ... (x0.5-1.5 jitter), at most BACKOFF_CAP_S
 BACKOFF_CAP_S = 2.0
 HOST_POOLS = 64  # hosts (per pinned address) whose keep-alive connections a worker keeps
-_IMAGE_MAGIC = (b"\xff\xd8\xff", b"\x89PNG\r\n\x1a\n", b"GIF87a", b"GIF89a", b"BM")
 
-FetchResult = bytes | ImageError
+
+@dataclass(frozen=True)
+class Validators:
+    """What a host said identifies a response (RFC 9110): sent back to ask whether it changed."""
+
+    etag: str = ""
+    last_modified: str = ""
+
+    def headers(self) -> dict[str, str]:
+        return {k: v for k, v in (("If-None-Match", self.etag), ("If-Modified-Since", self.last_modified)) if v}
+
+
+@dataclass(frozen=True)
+class Fetched:
+    """An image's bytes, or None when the host answered 304 Not Modified to the validators sent; with the
+    response's validators and Cache-Control (what the embedding cache may do with it)."""
+
+    data: bytes | None
+    validators: Validators = Validators()
+    cache_control: str = ""
+
+
+FetchResult = Fetched | ImageError
 
 
 class Fetcher(Protocol):
-    """Fetch ``urls``; yield ``(index, bytes or ImageError)`` as each completes (any order)."""
+    """Fetch ``urls``; yield ``(index, Fetched or ImageError)`` as each completes (any order). A URL in
+    ``validators`` is asked conditionally: its ``Fetched.data`` is None when the host says it has not changed."""
 
-    def fetch_many(self, urls: Sequence[str], *, deadline: float | None = None,
-                   request_id: str = "") -> Iterator[tuple[int, FetchResult]]: ...
+    def fetch_many(self, urls: Sequence[str], *, deadline: float | None = None, request_id: str = "",
+                   validators: Mapping[str, Validators] | None = None) -> Iterator[tuple[int, FetchResult]]: ...
 
 
 class _Retry(Exception):
@@ -84,15 +102,15 @@ class HttpFetcher:
         self.verify = verify
         self._slots = BoundedSemaphore(settings.fetch_worker_concurrency)
 
-    def fetch_many(self, urls: Sequence[str], *, deadline: float | None = None,
-                   request_id: str = "") -> Iterator[tuple[int, FetchResult]]:
+    def fetch_many(self, urls: Sequence[str], *, deadline: float | None = None, request_id: str = "",
+                   validators: Mapping[str, Validators] | None = None) -> Iterator[tuple[int, FetchResult]]:
         positions: dict[str, list[int]] = {}
         for i, url in enumerate(urls):
             positions.setdefault(url, []).append(i)
         pool = gevent.pool.Pool(self.settings.fetch_concurrency)
 
         def one(url: str) -> tuple[str, FetchResult]:
-            result = self.fetch(url, deadline=deadline)
+            result = self.fetch_one(url, deadline=deadline, validators=(validators or {}).get(url))
             if isinstance(result, ImageError):
                 log.warning("fetch failed request_id=%s url=%s code=%s: %s", request_id, url[:200],
                             result.code, result.message)
@@ -105,8 +123,18 @@ class HttpFetcher:
         finally:
             pool.kill(block=False)  # the caller stopped early (request deadline, error): stop the rest
 
-    def fetch(self, url: str, *, deadline: float | None = None) -> FetchResult:
-        """One image, as bytes or as the error that explains why not. Never raises for the URL's sake."""
+    def fetch(self, url: str, *, deadline: float | None = None) -> bytes | ImageError:
+        """One image's bytes, or the error that explains why not."""
+        result = self.fetch_one(url, deadline=deadline)
+        if isinstance(result, ImageError):
+            return result
+        assert result.data is not None  # asked without validators: never a 304
+        return result.data
+
+    def fetch_one(self, url: str, *, deadline: float | None = None,
+                  validators: Validators | None = None) -> FetchResult:
+        """One image (conditionally with ``validators``), or the error that explains why not. Never raises
+        for the URL's sake."""
         wait = None if deadline is None else deadline - time.monotonic()
         if wait is not None and wait <= 0 or not self._slots.acquire(timeout=wait):
             return FetchError("the request deadline passed before this image could be fetched",
@@ -120,7 +148,7 @@ class HttpFetcher:
                                   code="fetch_timeout")
             with gevent.Timeout(budget) as timer:
                 try:
-                    return self._with_retries(url, time.monotonic() + budget)
+                    return self._with_retries(url, time.monotonic() + budget, validators)
                 except gevent.Timeout as exc:
                     if exc is not timer:
                         raise
@@ -133,11 +161,11 @@ class HttpFetcher:
         finally:
             self._slots.release()
 
-    def _with_retries(self, url: str, until: float) -> bytes:
+    def _with_retries(self, url: str, until: float, validators: Validators | None) -> Fetched:
         retries = self.settings.fetch_retries
         for attempt in range(retries + 1):
             try:
-                return self._follow(url, until)
+                return self._follow(url, until, validators)
             except _Retry as retry:
                 error = retry.error
                 if attempt == retries:
@@ -151,9 +179,10 @@ class HttpFetcher:
                 gevent.sleep(wait)
         raise AssertionError("unreachable: the last attempt returns or raises")
 
-    def _follow(self, url: str, until: float) -> bytes:
+    def _follow(self, url: str, until: float, validators: Validators | None) -> Fetched:
+        asked = validators.headers() if validators else {}
         for _ in range(self.settings.fetch_max_redirects + 1):
-            with self._send(url, until) as resp:
+            with self._send(url, until, asked) as resp:
                 target = self.session.get_redirect_target(resp) if resp.status_code in REDIRECT_STATUSES else None
                 if target:
                     url = urljoin(resp.url, target)
@@ -161,73 +190,37 @@ class HttpFetcher:
                         raise url_not_allowed(f"the image host redirected to a {urlsplit(url).scheme}: URL, "
                                               "which is not fetched (only http and https)", hint=False)
                     continue
-                if resp.status_code == 200:
-                    return self._read(resp)
+                if resp.status_code == 200 or resp.status_code == 304 and asked:
+                    found = Validators(resp.headers.get("ETag", ""), resp.headers.get("Last-Modified", ""))
+                    if resp.status_code == 304:  # a 304 may leave out the validators it confirms
+                        found = Validators(found.etag or validators.etag, found.last_modified or
+                                           validators.last_modified) if validators else found
+                    return Fetched(read_body(resp, self.settings.max_image_bytes) if resp.status_code == 200 else None, found,
+                                   resp.headers.get("Cache-Control", ""))
                 raise _status_error(resp)
         raise FetchError(f"more than {self.settings.fetch_max_redirects} redirects; link the image itself or "
                          "raise GREENSERVE_FETCH_MAX_REDIRECTS", code="fetch_failed")
 
-    def _send(self, url: str, until: float) -> requests.Response:
+    def _send(self, url: str, until: float, headers: dict[str, str]) -> requests.Response:
         timeout = (self.settings.fetch_connect_timeout_s, max(0.05, until - time.monotonic()))
         try:
             return self.session.get(url, stream=True, allow_redirects=False, verify=self.verify,
-                                    timeout=timeout)
+                                    timeout=timeout, headers=headers)
         except requests.exceptions.SSLError as exc:
-            raise FetchError(f"TLS with the image host failed: {_reason(exc)}", code="fetch_failed") from exc
+            raise FetchError(f"TLS with the image host failed: {reason(exc)}", code="fetch_failed") from exc
         except requests.ConnectTimeout as exc:
             raise _Retry(FetchError(f"connecting to the image host took longer than {timeout[0]}s",
                                     code="fetch_timeout")) from exc
         except requests.ConnectionError as exc:
             # refused, unreachable or reset before any answer: a GET is safe to send again
-            raise _Retry(FetchError(f"could not fetch the image: {_reason(exc)}", code="fetch_failed")) from exc
+            raise _Retry(FetchError(f"could not fetch the image: {reason(exc)}", code="fetch_failed")) from exc
         except requests.Timeout as exc:
             raise FetchError("the image host did not answer in time", code="fetch_timeout") from exc
         except (requests.exceptions.InvalidURL, requests.exceptions.InvalidSchema,
                 requests.exceptions.MissingSchema) as exc:
-            raise FetchError(f"the URL is not valid: {_reason(exc)}", code="invalid_url") from exc
+            raise FetchError(f"the URL is not valid: {reason(exc)}", code="invalid_url") from exc
         except requests.RequestException as exc:
-            raise FetchError(f"could not fetch the image: {_reason(exc)}", code="fetch_failed") from exc
-
-    def _read(self, resp: requests.Response) -> bytes:
-        cap = self.settings.max_image_bytes
-        declared = resp.headers.get("Content-Length", "").strip()
-        if declared.isdigit() and int(declared) > cap:
-            raise _too_large(int(declared), cap)
-        decoder = _decoder(resp.headers.get("Content-Encoding", ""))
-        # the pieces are joined once at the end: growing one buffer copied each photo again on every
-        # resize (hub CPU to fetch a 30-photo album, 91 MB: 164-247 ms that way, 108-157 ms this way)
-        parts: list[bytes] = []
-        size = received = 0
-        sniffed = False
-        try:
-            for chunk in resp.raw.stream(CHUNK_BYTES, decode_content=False):
-                received += len(chunk)
-                if received > cap:
-                    raise _too_large(received, cap, more=True)
-                piece = _inflate(decoder, chunk, size, cap)
-                parts.append(piece)
-                size += len(piece)
-                if size > cap:
-                    raise _too_large(size, cap, more=True)
-                if not sniffed and size >= SNIFF_BYTES:
-                    sniffed = _sniff(b"".join(parts))  # a web page served as image/jpeg stops here, not at the cap
-                # A socket that already holds data never makes this greenlet wait, so without this one
-                # fetch could read megabytes before /healthz gets a turn (measured: p99 0.9 s -> 0.12 s).
-                # Every chunk, not every millisecond: gevent's loop runs 50 queued callbacks between looks
-                # at the clock before it polls for I/O, and 1 ms turns made /healthz p99 40-60 ms.
-                gevent.sleep(0)
-            if decoder is not None:
-                parts.append(decoder.flush())
-                size += len(parts[-1])
-                if not decoder.eof or size > cap:
-                    raise FetchError("the compressed body is truncated or too large", code="fetch_failed")
-        except (Urllib3Error, OSError, zlib.error) as exc:
-            raise FetchError(f"the connection broke while reading the image: {_reason(exc)}",
-                             code="fetch_failed") from exc
-        body = b"".join(parts)
-        if body and not sniffed:
-            _sniff(body)
-        return body
+            raise FetchError(f"could not fetch the image: {reason(exc)}", code="fetch_failed") from exc
 
 
 def _configure(session: requests.Session, settings: Settings, policy: AddressPolicy) -> requests.Session:
@@ -271,49 +264,3 @@ def _retry_after(value: str | None) -> float | None:
 
 def _backoff(attempt: int) -> float:
     return float(min(BACKOFF_CAP_S, BACKOFF_BASE_S * 2 ** attempt) * random.uniform(0.5, 1.5))
-
-
-def _inflate(decoder: zlib._Decompress | None, chunk: bytes, size: int, cap: int) -> bytes:
-    """One chunk of the body as the image's bytes; ``max_length``: a bomb never inflates past the cap."""
-    if decoder is None:
-        return chunk
-    piece = decoder.decompress(chunk, cap + 1 - size)
-    if decoder.unconsumed_tail:
-        raise _too_large(size + len(piece), cap, more=True)
-    return piece
-
-
-def _decoder(header: str) -> zlib._Decompress | None:
-    codings = [c.strip().lower() for c in header.split(",") if c.strip().lower() not in ("", "identity")]
-    if not codings:
-        return None
-    if len(codings) == 1 and codings[0] in ("gzip", "x-gzip", "deflate"):
-        return zlib.decompressobj(wbits=32 + zlib.MAX_WBITS)  # 32: gzip or zlib header, detected
-    raise FetchError(f"the image host sent Content-Encoding {header!r}; only gzip and deflate are decoded",
-                     code="fetch_failed")
-
-
-def _sniff(head: bytes | bytearray) -> bool:
-    """True when ``head`` starts like an image (one decode accepts or names); NotAnImage otherwise."""
-    head = bytes(head[:SNIFF_BYTES])
-    if head.startswith(_IMAGE_MAGIC) or head[:4] == b"RIFF" and head[8:12] == b"WEBP" or sniff_refused_format(head):
-        return True
-    raise NotAnImage("the URL did not return an image (JPEG, PNG, WebP, GIF or BMP); check that it points at "
-                     "the image itself, not a web page", code="not_an_image")
-
-
-def _too_large(size: int, cap: int, more: bool = False) -> ImageTooLarge:
-    return ImageTooLarge(f"the image is {'more than ' if more else ''}{size} bytes; the limit is {cap} bytes. "
-                         "Send a smaller image or set GREENSERVE_MAX_IMAGE_BYTES")
-
-
-def _reason(exc: BaseException) -> str:
-    """The root cause in words ("Connection refused"), not requests' and urllib3's wrappers around it."""
-    for _ in range(8):  # requests error -> MaxRetryError.reason -> NewConnectionError -> OSError
-        last = exc.args[-1] if exc.args else None
-        inner = getattr(exc, "reason", None) or (last if isinstance(last, BaseException) else None) or exc.__cause__
-        if not isinstance(inner, BaseException):
-            break
-        exc = inner
-    text = exc.strerror if isinstance(exc, OSError) and isinstance(exc.strerror, str) else str(exc)
-    return text if len(text) < 200 else text[:200] + "..."

@@ -1,7 +1,9 @@
 """One request through the stages, each image flowing on as soon as its previous stage is done:
 
     1. admit     reserve queue slots for the images, or 503 at once (nothing fetched yet)
-    2. fetch     URLs on greenlets (bounded pool); data: URLs and uploads are already bytes
+    1b. recall   what the embedding cache knows of the album (``recall``): an image it holds skips the rest
+    2. fetch     URLs on greenlets (bounded pool), conditionally where the cache holds them; data: URLs and
+                 uploads are already bytes
     3. decode    bytes → RGB → crop, in the decode thread pool (Pillow drops the GIL)
     4. infer     crop → micro-batcher → the one inference thread
     5. answer    rows → normalised embeddings / top-k labels / zero-shot scores / ranks, in request order,
@@ -23,6 +25,8 @@ import gevent
 import gevent.pool
 import numpy as np
 
+from service.cache.entries import Outputs
+from service.cache.tiers import EmbeddingCache
 from service.engine.batcher import Row
 from service.engine.runner import Runner
 from service.engine.scheduling import Admission
@@ -32,8 +36,9 @@ from service.pipeline import answers
 from service.pipeline.answers import Spans
 from service.pipeline.decode import decode_image, decode_opened, jpeg_for_device, open_checked
 from service.pipeline.device_decode import DeviceDecodeFailed
-from service.pipeline.fetch import Fetcher
+from service.pipeline.fetch import Fetched, Fetcher
 from service.pipeline.preprocess import preprocess
+from service.pipeline.recall import CacheTally, Recall, model_id
 from service.pipeline.requests import ImageRef, InferenceRequest
 from service.pipeline.text_encoder import TextEncoder
 
@@ -85,6 +90,7 @@ class _Work:
     progress: Progress | None  # a streamed answer's; None: nobody listens, no line is built
     task: str
     req: InferenceRequest
+    recall: Recall | None  # the embedding cache's part in this request; None with GREENSERVE_CACHE=off
     prompts: np.ndarray | None = None
     aborted: bool = False
 
@@ -118,37 +124,42 @@ def checked_for_device(data: bytes, transform: Transform, max_pixels: int) -> np
 
 class Orchestrator:
     def __init__(self, runner: Runner, fetcher: Fetcher, texts: TextEncoder, *, max_pixels: int,
-                 on_image_error: Callable[[ImageError], None] | None = None) -> None:
+                 on_image_error: Callable[[ImageError], None] | None = None,
+                 cache: EmbeddingCache | None = None) -> None:
         self.runner = runner
+        self.cache = cache
+        self._model_ids: dict[int, str] = {}  # by id(ModelInfo): one digest per loaded model
         self.fetcher = fetcher
         self.texts = texts
         self.max_pixels = max_pixels
         self.on_image_error = on_image_error
 
     def run(self, req: InferenceRequest, task: str, *, deadline: float, request_id: str = "", caller: str = "",
-            progress: Progress | None = None) -> dict[str, Any]:
+            progress: Progress | None = None, tally: CacheTally | None = None) -> dict[str, Any]:
         """The response body (without ``model``/``request_id``) for ``req``; raises request-level errors.
         ``caller`` shares the worker fairly with other callers; ``progress`` hears of each image's answer as
-        soon as it is ready.
+        soon as it is ready; ``tally`` hears what the embedding cache did.
 
         With ``partial`` false the first unusable image ends the request at once: its other fetches are
         cancelled, its decodes stopped and its queued images dropped before the model."""
         if req.text.texts:
             return self.run_texts(req, deadline=deadline, caller=caller, progress=progress)
-        info, outcomes, spans, prompts = self._collect(req, task, deadline, request_id, caller, progress)
+        info, outcomes, spans, prompts = self._collect(req, task, deadline, request_id, caller, progress, tally)
         return self._respond(req, task, info, outcomes, spans, prompts)
 
-    def run_rows(self, req: InferenceRequest, *, deadline: float, request_id: str = "", caller: str = "") -> Rows:
+    def run_rows(self, req: InferenceRequest, *, deadline: float, request_id: str = "", caller: str = "",
+                 tally: CacheTally | None = None) -> Rows:
         """Each image's row (features and logits of one forward), in request order, for a protocol that
         encodes its own outputs (OIP v2 tensors). Any unusable image fails the whole request."""
         assert not req.partial and not req.text.texts and not req.text.prompts
-        info, outcomes, spans, _ = self._collect(req, "embeddings", deadline, request_id, caller, None)
+        info, outcomes, spans, _ = self._collect(req, "embeddings", deadline, request_id, caller, None, tally)
         rows = tuple(row for ref in req.refs if isinstance(row := outcomes[ref.index], Row))
         assert len(rows) == len(req.refs)  # not partial: a failure raised ImagesFailed
         return Rows(info, rows, spans.timings(texts=False))
 
     def _collect(self, req: InferenceRequest, task: str, deadline: float, request_id: str, caller: str,
-                 progress: Progress | None) -> tuple[ModelInfo, dict[int, Row | ImageError], Spans, np.ndarray | None]:
+                 progress: Progress | None,
+                 tally: CacheTally | None) -> tuple[ModelInfo, dict[int, Row | ImageError], Spans, np.ndarray | None]:
         spans = Spans()
         outcomes: dict[int, Row | ImageError] = {r.index: r.error for r in req.refs if r.error is not None}
         if outcomes and not req.partial:
@@ -160,7 +171,8 @@ class Orchestrator:
             if progress is not None:
                 progress.admitted()
                 admission.streamed = True  # its first row goes at once
-            work = _Work(admission, info, spans, outcomes, deadline, gevent.getcurrent(), progress, task, req)
+            work = _Work(admission, info, spans, outcomes, deadline, gevent.getcurrent(), progress, task, req,
+                         self._recall(info, tally))
             for ref in req.refs:
                 if ref.error is not None:  # refused at parsing (partial): its line goes first
                     work.settle(ref, ref.error)
@@ -173,7 +185,9 @@ class Orchestrator:
                         spans.add("text", t0, time.monotonic())
                     self._process(req, work, request_id)
             except _ImageFailed:
+                self._keep(work)
                 self._fail(req, outcomes)
+            self._keep(work)
         return info, outcomes, spans, work.prompts
 
     def run_texts(self, req: InferenceRequest, *, deadline: float, caller: str = "",
@@ -192,28 +206,67 @@ class Orchestrator:
                 progress.item(item)
         return body
 
+    def _recall(self, info: ModelInfo, tally: CacheTally | None) -> Recall | None:
+        if self.cache is None:
+            return None
+        if id(info) not in self._model_ids:
+            self._model_ids = {id(info): model_id(info)}
+        return Recall(self.cache, self._model_ids[id(info)], tally or CacheTally())
+
+    @staticmethod
+    def _keep(work: _Work) -> None:
+        if work.recall is not None:
+            work.recall.flush()
+
     def _process(self, req: InferenceRequest, work: _Work, request_id: str) -> None:
         group = gevent.pool.Group()
         try:
+            remote = [r for r in req.refs if r.url is not None and r.error is None]
+            if work.recall is not None:
+                work.recall.prefetch([r.url for r in remote if r.url],
+                                     {r.index: r.data for r in req.refs if r.data is not None})
+                remote = self._fresh(req, remote, work, group)
             for ref in req.refs:
                 if ref.data is not None:
                     group.spawn(self._image, req, ref, ref.data, work)
-            remote = [r for r in req.refs if r.url is not None and r.error is None]
             if remote:
                 self.runner.wait_to_fetch(work.admission)
                 fetch_start = time.monotonic()
                 urls = [r.url for r in remote if r.url is not None]  # all of them: mypy cannot see it
-                for i, result in self.fetcher.fetch_many(urls, deadline=work.deadline,
-                                                         request_id=request_id):
+                validators = work.recall.validators(urls) if work.recall else None
+                for i, result in self.fetcher.fetch_many(urls, deadline=work.deadline, request_id=request_id,
+                                                         validators=validators):
                     work.spans.add("fetch", fetch_start, time.monotonic())
                     group.spawn(self._image, req, remote[i], result, work)
             group.join(raise_error=True)
         finally:
             group.kill()
 
-    def _image(self, req: InferenceRequest, ref: ImageRef, data: bytes | ImageError, work: _Work) -> None:
-        """One image from its bytes (or its fetch's failure) to its row."""
+    def _fresh(self, req: InferenceRequest, remote: list[ImageRef], work: _Work,
+               group: gevent.pool.Group) -> list[ImageRef]:
+        """The URLs still to fetch: those inside their host's max-age are answered from the cache now."""
+        assert work.recall is not None
+        rest = []
+        for ref in remote:
+            outputs = work.recall.fresh(ref.url) if ref.url else None
+            if outputs is None:
+                rest.append(ref)
+            else:
+                group.spawn(self._recalled, ref, outputs, work)
+        return rest
+
+    @staticmethod
+    def _recalled(ref: ImageRef, outputs: Outputs, work: _Work) -> None:
+        with work.admission.image():
+            work.settle(ref, Row(outputs.features, outputs.logits, 0.0, 0.0, 0))
+
+    def _image(self, req: InferenceRequest, ref: ImageRef, got: bytes | Fetched | ImageError, work: _Work) -> None:
+        """One image from its bytes (or its fetch's failure) to its row: from the cache when it knows them."""
+        data = got.data if isinstance(got, Fetched) else got
         with work.admission.image():  # settles it, whatever happens, when it reaches the batcher
+            known = None if work.recall is None or isinstance(got, ImageError) else work.recall.recall(ref.index, ref.url, got)
+            if known is not None:
+                return work.settle(ref, Row(known.features, known.logits, 0.0, 0.0, 0))
             try:
                 pixels = self._decode(ref, data, work)
             except ImageError as err:
@@ -229,6 +282,8 @@ class Orchestrator:
                 return self._unusable(req, ref, err, work)
             row = self.runner.infer(pixels, work.deadline, work.admission).get()
         work.settle(ref, row)
+        if work.recall is not None:
+            work.recall.keep(ref.index, Outputs(row.features, row.logits))
         end = time.monotonic()
         work.spans.add("queue", end - row.inference_s - row.queue_s, end - row.inference_s)
         work.spans.add("inference", end - row.inference_s, end)
@@ -239,10 +294,11 @@ class Orchestrator:
         if not req.partial:
             work.abort()
 
-    def _decode(self, ref: ImageRef, data: bytes | ImageError, work: _Work, *,
+    def _decode(self, ref: ImageRef, data: bytes | ImageError | None, work: _Work, *,
                 pillow: bool = False) -> np.ndarray | EncodedJpeg:
         if isinstance(data, ImageError):  # the fetch failed
             raise data
+        assert data is not None  # a 304 came only for an entry in hand
         t0 = time.monotonic()
         decode = checked_for_device if work.info.jpeg_decode == "device" and not pillow else decode_and_crop
         try:

@@ -1,0 +1,170 @@
+"""Where entries live: ``MemoryStore`` (one worker's LRU) and ``DiskStore`` (sqlite in WAL mode, shared by the
+host's workers); ``redis_store.RedisStore`` is the fleet's. Each is a ``Store``: keys to bytes, many at once.
+
+Why sqlite: against LMDB on this machine kind, an album's 30 lookups took about the same (both well under a
+millisecond warm) and writes from two processes were as fast under WAL with ``synchronous=NORMAL``; sqlite is
+in the standard library, its size cap and eviction are one query, and a crashed writer never needs a
+repair (docs/BENCHMARKS.md, "Embedding cache").
+"""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
+
+DB_NAME = "embeddings.sqlite3"
+EVICT_TO = 0.9  # eviction frees down to this share of the cap, so it runs once per many writes, not per write
+
+
+class StoreDown(Exception):
+    """The store could not answer in time (down, slow, full): this request goes on without it."""
+
+
+class Store(Protocol):
+    name: str
+
+    def get_many(self, keys: Sequence[str]) -> dict[str, bytes]: ...  # the keys it has; StoreDown
+
+    def put_many(self, items: Mapping[str, bytes], ttl_s: float) -> int: ...  # entries evicted; StoreDown
+
+    def stats(self) -> dict[str, Any]: ...
+
+    def clear(self) -> int: ...
+
+
+class MemoryStore:
+    """A bounded LRU of one worker (bytes counted, values and keys): in front of any shared store."""
+
+    name = "memory"
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self.bytes = 0
+        self.evictions = 0
+        self._items: OrderedDict[str, bytes] = OrderedDict()
+
+    def get_many(self, keys: Sequence[str]) -> dict[str, bytes]:
+        found = {}
+        for key in keys:
+            value = self._items.get(key)
+            if value is not None:
+                self._items.move_to_end(key)
+                found[key] = value
+        return found
+
+    def put_many(self, items: Mapping[str, bytes], ttl_s: float = 0.0) -> int:
+        evicted = 0
+        for key, value in items.items():
+            old = self._items.pop(key, None)
+            if old is not None:
+                self.bytes -= len(key) + len(old)
+            if len(key) + len(value) > self.max_bytes:
+                continue
+            self._items[key] = value
+            self.bytes += len(key) + len(value)
+            while self.bytes > self.max_bytes:
+                gone, dropped = self._items.popitem(last=False)
+                self.bytes -= len(gone) + len(dropped)
+                evicted += 1
+        self.evictions += evicted
+        return evicted
+
+    def stats(self) -> dict[str, Any]:
+        return {"store": self.name, "entries": len(self._items), "bytes": self.bytes, "max_bytes": self.max_bytes,
+                "evictions": self.evictions}
+
+    def clear(self) -> int:
+        n = len(self._items)
+        self._items.clear()
+        self.bytes = 0
+        return n
+
+
+class DiskStore:
+    """One sqlite file under ``directory`` for every worker of the host, capped at ``max_bytes`` of values:
+    the least recently used go first. Blocking: call it from a thread, not the hub (``tiers``). A lock held
+    longer than ``timeout_s`` by another worker is StoreDown for this call, not a wait."""
+
+    name = "disk"
+
+    def __init__(self, directory: str, max_bytes: int, timeout_s: float = 0.1) -> None:
+        self.path = os.path.join(directory, DB_NAME)
+        self.max_bytes = max_bytes
+        self.timeout_s = timeout_s
+        self._local = threading.local()  # a connection per thread: sqlite3 objects stay in their thread
+        os.makedirs(directory, exist_ok=True)
+        with self._db() as db:
+            db.execute("CREATE TABLE IF NOT EXISTS entries (key TEXT PRIMARY KEY, value BLOB NOT NULL, "
+                       "size INTEGER NOT NULL, used REAL NOT NULL, expires REAL NOT NULL)")
+            db.execute("CREATE INDEX IF NOT EXISTS entries_used ON entries (used)")
+
+    def get_many(self, keys: Sequence[str]) -> dict[str, bytes]:
+        if not keys:
+            return {}
+        now = time.time()
+        marks = ",".join("?" * len(keys))
+        try:
+            db = self._db()
+            rows = db.execute(f"SELECT key, value FROM entries WHERE key IN ({marks}) AND expires > ?",
+                              [*keys, now]).fetchall()
+            if rows:
+                with db:  # a hit is used now: the LRU order, in one short write
+                    db.execute(f"UPDATE entries SET used = ? WHERE key IN ({','.join('?' * len(rows))})",
+                               [now, *(k for k, _ in rows)])
+        except sqlite3.Error as exc:
+            raise StoreDown(f"sqlite: {exc}") from exc
+        return {k: bytes(v) for k, v in rows}
+
+    def put_many(self, items: Mapping[str, bytes], ttl_s: float) -> int:
+        if not items:
+            return 0
+        now = time.time()
+        expires = now + ttl_s if ttl_s > 0 else float("inf")
+        try:
+            db = self._db()
+            with db:
+                db.executemany("INSERT OR REPLACE INTO entries VALUES (?, ?, ?, ?, ?)",
+                               [(k, v, len(k) + len(v), now, expires) for k, v in items.items()])
+                return self._evict(db)
+        except sqlite3.Error as exc:
+            raise StoreDown(f"sqlite: {exc}") from exc
+
+    def _evict(self, db: sqlite3.Connection) -> int:
+        (total,) = db.execute("SELECT COALESCE(SUM(size), 0) FROM entries").fetchone()
+        if total <= self.max_bytes:
+            return 0
+        gone = db.execute("DELETE FROM entries WHERE expires <= ?", (time.time(),)).rowcount
+        (total,) = db.execute("SELECT COALESCE(SUM(size), 0) FROM entries").fetchone()
+        over = total - int(self.max_bytes * EVICT_TO)
+        if over <= 0:
+            return int(gone)
+        # the oldest-used rows whose sizes add up to what is over the target
+        cut = db.execute("SELECT used FROM (SELECT used, SUM(size) OVER (ORDER BY used, key) AS run FROM entries) "
+                         "WHERE run >= ? LIMIT 1", (over,)).fetchone()
+        return int(gone) + int(db.execute("DELETE FROM entries WHERE used <= ?", (cut[0],)).rowcount if cut else 0)
+
+    def stats(self) -> dict[str, Any]:
+        entries, size = self._db().execute("SELECT COUNT(*), COALESCE(SUM(size), 0) FROM entries").fetchone()
+        return {"store": self.name, "path": self.path, "entries": entries, "bytes": size, "max_bytes": self.max_bytes,
+                "file_bytes": sum(os.path.getsize(self.path + s) for s in ("", "-wal") if os.path.exists(self.path + s))}
+
+    def clear(self) -> int:
+        db = self._db()
+        with db:
+            n = int(db.execute("DELETE FROM entries").rowcount)
+        db.execute("VACUUM")
+        return n
+
+    def _db(self) -> sqlite3.Connection:
+        db: sqlite3.Connection | None = getattr(self._local, "db", None)
+        if db is None:
+            db = sqlite3.connect(self.path, timeout=self.timeout_s)
+            db.execute("PRAGMA journal_mode=WAL")  # readers never wait for the writer, nor it for them
+            db.execute("PRAGMA synchronous=NORMAL")  # a power cut may lose the last writes, never corrupt
+            self._local.db = db
+        return db

@@ -1,0 +1,124 @@
+"""``EmbeddingCache``: a worker's memory LRU in front of the shared store (disk or Redis), as the pipeline sees
+it: many keys at once, hashing and sqlite off the hub, and a store that fails costing only its lookups.
+
+Calls come from the worker's greenlets. The memory tier is touched only there (no lock needed); sqlite runs in
+the cache's own thread, since a query blocks its thread; Redis runs in the greenlet (gevent's sockets).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TypeVar
+
+from gevent.threadpool import ThreadPool
+
+from service import metrics
+from service.cache.entries import content_id
+from service.cache.stores import DiskStore, MemoryStore, Store, StoreDown
+from service.settings import Settings
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+MB = 1024 * 1024
+HASH_ON_HUB_BYTES = 64 * 1024  # sha256 runs ~1.5 GB/s here: a thumbnail is hashed on the hub, a photo in a thread
+
+
+class EmbeddingCache:
+    def __init__(self, memory: MemoryStore, shared: Store | None, *, ttl_s: float, threads: int = 2) -> None:
+        self.memory = memory
+        self.shared = shared
+        self.ttl_s = ttl_s
+        self._pool = ThreadPool(threads)
+        self._blocking = isinstance(shared, DiskStore)
+
+    @property
+    def name(self) -> str:
+        return self.shared.name if self.shared else self.memory.name
+
+    def digest(self, data: bytes) -> str:
+        """The content id of ``data``, hashed where it does not hold the hub up."""
+        if len(data) <= HASH_ON_HUB_BYTES:
+            return content_id(data)
+        return self._in_thread(content_id, data)
+
+    def digest_many(self, datas: Sequence[bytes]) -> list[str]:
+        """Content ids of an album's uploads, hashed together in one thread call."""
+        if sum(len(d) for d in datas) <= HASH_ON_HUB_BYTES:
+            return [content_id(d) for d in datas]
+        return self._in_thread(_digests, list(datas))
+
+    def get_many(self, keys: Sequence[str]) -> tuple[dict[str, bytes], bool]:
+        """The values found (memory first, then the shared store in one call), and whether every store
+        answered: False means a key not found may still be there (a bypass, not a miss)."""
+        found = self.memory.get_many(keys)
+        rest = [k for k in keys if k not in found]
+        if not rest or self.shared is None:
+            return found, True
+        try:
+            shared = self._shared(self.shared.get_many, rest)
+        except StoreDown as exc:
+            self._failed(exc)
+            return found, False
+        self.memory.put_many(shared)
+        found.update(shared)
+        return found, True
+
+    def put_many(self, items: Mapping[str, bytes]) -> bool:
+        """Written to memory and the shared store; False when the shared store did not take them."""
+        if not items:
+            return True
+        self._evicted(self.memory.name, self.memory.put_many(items))
+        metrics.CACHE_BYTES.set(self.memory.bytes)
+        if self.shared is None:
+            return True
+        try:
+            self._evicted(self.shared.name, self._shared(self.shared.put_many, items, self.ttl_s))
+        except StoreDown as exc:
+            self._failed(exc)
+            return False
+        metrics.CACHE_WRITTEN_BYTES.labels(self.shared.name).inc(sum(len(k) + len(v) for k, v in items.items()))
+        return True
+
+    def stats(self) -> dict[str, Any]:
+        return {"memory": self.memory.stats(), "shared": self.shared.stats() if self.shared else None}
+
+    def _shared(self, fn: Callable[..., T], *args: Any) -> T:
+        return self._in_thread(fn, *args) if self._blocking else fn(*args)
+
+    def _in_thread(self, fn: Callable[..., T], *args: Any) -> T:
+        return self._pool.apply(fn, args)  # type: ignore[no-any-return]
+
+    def _failed(self, exc: StoreDown) -> None:
+        assert self.shared is not None
+        metrics.CACHE_STORE_ERRORS.labels(self.shared.name).inc()
+        log.debug("embedding cache: %s", exc)
+
+    @staticmethod
+    def _evicted(store: str, n: int) -> None:
+        if n:
+            metrics.CACHE_EVICTIONS.labels(store).inc(n)
+
+
+def _digests(datas: list[bytes]) -> list[str]:
+    return [content_id(d) for d in datas]
+
+
+def shared_store(settings: Settings) -> Store | None:
+    """The store shared beyond one worker that ``GREENSERVE_CACHE`` names (None for off and memory)."""
+    timeout_s = settings.cache_timeout_ms / 1000
+    if settings.cache == "disk":
+        return DiskStore(settings.cache_directory(), settings.cache_disk_mb * MB, timeout_s)
+    if settings.cache.startswith(("redis://", "rediss://", "unix://")):
+        from service.cache.redis_store import RedisStore  # only where Redis is used
+
+        return RedisStore(settings.cache, timeout_s)
+    return None
+
+
+def from_settings(settings: Settings) -> EmbeddingCache | None:
+    """The worker's cache as configured; None when ``GREENSERVE_CACHE=off``."""
+    if settings.cache == "off":
+        return None
+    return EmbeddingCache(MemoryStore(settings.cache_memory_mb * MB), shared_store(settings),
+                          ttl_s=settings.cache_ttl_s)

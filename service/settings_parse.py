@@ -1,0 +1,53 @@
+"""Reading one GREENSERVE_* value: its text cast to the setting's kind, and the checks that need no other
+setting (``settings`` holds the settings themselves)."""
+
+from __future__ import annotations
+
+import ipaddress
+from typing import Any
+from urllib.parse import urlsplit
+
+
+class SettingsError(ValueError):
+    """A GREENSERVE_* variable has a value the server cannot start with."""
+
+
+def parse(name: str, raw: str, kind: str) -> Any:
+    raw = raw.strip()
+    try:
+        if kind == "int":
+            return int(raw.replace("_", ""))
+        if kind == "float":
+            return float(raw)
+    except ValueError:
+        raise SettingsError(f"{name}={raw!r} is not a {'whole number' if kind == 'int' else 'number'}") from None
+    if kind == "bool":
+        if raw.lower() in ("1", "true", "yes", "on"):
+            return True
+        if raw.lower() in ("0", "false", "no", "off"):
+            return False
+        raise SettingsError(f"{name}={raw!r} is not a boolean; use true or false")
+    if kind == "list":
+        return tuple(p.strip() for p in raw.split(",") if p.strip())
+    return raw
+
+
+def range_text(lo: float | None, hi: float | None) -> str:
+    if hi is None:
+        return f">= {lo}"
+    return f"{lo}..{hi}"
+
+
+def check_allow_entry(entry: str) -> None:
+    if "://" in entry:
+        parts = urlsplit(entry)
+        if parts.scheme in ("http", "https") and parts.hostname and parts.path in ("", "/"):
+            return
+    else:
+        try:
+            ipaddress.ip_network(entry, strict=False)
+            return
+        except ValueError:
+            pass
+    raise SettingsError(f"GREENSERVE_FETCH_ALLOW entry {entry!r} is neither an origin like "
+                        "http://10.0.0.5:9000 nor a CIDR like 10.0.0.0/8")
