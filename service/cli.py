@@ -7,11 +7,14 @@
     greenserve settings [--markdown]    every GREENSERVE_* setting with its default (the README table)
     greenserve models                   the models that can be served (torchvision, open_clip, timm)
     greenserve export MODEL --out F     a checkpoint already in the serving layout (shared by workers)
+    greenserve cache stats|clear        the embedding cache GREENSERVE_CACHE names (disk or redis): its entries
+                                        and bytes as JSON, or every entry removed
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import sys
@@ -87,6 +90,8 @@ def _run(argv: list[str] | None) -> int:
     ex.add_argument("--weights", default="auto", help="auto | imagenet | random | state-dict path")
     ex.add_argument("--out", required=True, help="where to write the checkpoint")
     ex.add_argument("--no-channels-last", action="store_true", help="keep the default memory format")
+    ca = sub.add_parser("cache", help="the embedding cache's size, or clear it (GREENSERVE_CACHE, _CACHE_DIR)")
+    ca.add_argument("action", choices=("stats", "clear"))
     args = parser.parse_args(argv)
 
     if args.command == "download-weights":
@@ -102,6 +107,8 @@ def _run(argv: list[str] | None) -> int:
                 return 2
             for key, value in values.items():
                 print(f"GREENSERVE_{key.upper()}={value}")
+    elif args.command == "cache":
+        return _cache(args.action)
     elif args.command == "export":
         from service.engine.torchvision_family import export_checkpoint
 
@@ -115,6 +122,26 @@ def _run(argv: list[str] | None) -> int:
 
         print("\n".join([*classification_models(), *(f"open_clip:{a}" for a in architectures()),
                          *(f"timm:{n}" for n in timm.list_models())]))
+    return 0
+
+
+def _cache(action: str) -> int:
+    try:
+        settings = Settings.from_env()
+    except SettingsError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    from service.cache.tiers import shared_store
+
+    store = shared_store(settings)
+    if store is None:
+        print(f"GREENSERVE_CACHE={settings.cache}: no cache outside the workers' memory (see "
+              "greenserve_cache_memory_bytes on /metrics)", file=sys.stderr)
+        return 1
+    if action == "stats":
+        print(json.dumps(store.stats(), indent=2))
+    else:
+        print(json.dumps({"store": store.name, "removed": store.clear()}))
     return 0
 
 
