@@ -143,10 +143,11 @@ class DiskStore:
         over = total - int(self.max_bytes * EVICT_TO)
         if over <= 0:
             return int(gone)
-        # the oldest-used rows whose sizes add up to what is over the target
-        cut = db.execute("SELECT used FROM (SELECT used, SUM(size) OVER (ORDER BY used, key) AS run FROM entries) "
-                         "WHERE run >= ? LIMIT 1", (over,)).fetchone()
-        return int(gone) + int(db.execute("DELETE FROM entries WHERE used <= ?", (cut[0],)).rowcount if cut else 0)
+        # the oldest-used rows (ties by key) until their sizes add up to what is over the target
+        gone += db.execute("DELETE FROM entries WHERE key IN (SELECT key FROM (SELECT key, size, SUM(size) OVER "
+                           "(ORDER BY used, key ROWS UNBOUNDED PRECEDING) AS run FROM entries) WHERE run - size < ?)",
+                           (over,)).rowcount
+        return int(gone)
 
     def stats(self) -> dict[str, Any]:
         entries, size = self._db().execute("SELECT COUNT(*), COALESCE(SUM(size), 0) FROM entries").fetchone()
