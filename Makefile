@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 TORCH_PINS := torch==2.14.1 torchvision==0.29.1
 STAMP  := $(VENV)/.installed
 
-.PHONY: serve test test-fast lint compare dtype gpu-wheels clean help readme nginx browser
+.PHONY: serve test test-fast lint compare dtype gpu-wheels clean help readme nginx browser redis
 
 help:
 	@echo "make serve    create .venv, install, start gunicorn -k gevent on \$$GREENSERVE_BIND (127.0.0.1:8000)"
@@ -28,7 +28,7 @@ $(STAMP): $(BIN)/python setup.cfg setup.py
 serve: $(STAMP)
 	$(BIN)/gunicorn -c gunicorn.conf.py wsgi:app
 
-test: $(STAMP) nginx browser
+test: $(STAMP) nginx browser redis
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 test-fast: $(STAMP)
@@ -52,6 +52,14 @@ browser:
 		! command -v apt-get >/dev/null 2>&1 || { $(APT_BROWSER); } || \
 		{ apt-get update -qq >/dev/null 2>&1 && { $(APT_BROWSER); }; } || \
 		echo "chromium could not be installed: tests/test_e2e_page.py will skip"
+
+# A real redis-server for tests/test_e2e_cache_redis.py (which skips without one), installed the same way.
+APT_REDIS := DEBIAN_FRONTEND=noninteractive apt-get install -y -q redis-server >/dev/null 2>&1
+redis:
+	@PATH="$$PATH:/usr/sbin:/sbin"; command -v redis-server >/dev/null 2>&1 || [ "$$(id -u)" != 0 ] || \
+		! command -v apt-get >/dev/null 2>&1 || { $(APT_REDIS); } || \
+		{ apt-get update -qq >/dev/null 2>&1 && { $(APT_REDIS); }; } || \
+		echo "redis-server could not be installed: tests/test_e2e_cache_redis.py will skip"
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

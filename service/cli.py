@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
 
-def _run(argv: list[str] | None) -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="greenserve", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     dl = sub.add_parser("download-weights", help="download pretrained weights into the torch cache")
@@ -92,7 +92,11 @@ def _run(argv: list[str] | None) -> int:
     ex.add_argument("--no-channels-last", action="store_true", help="keep the default memory format")
     ca = sub.add_parser("cache", help="the embedding cache's size, or clear it (GREENSERVE_CACHE, _CACHE_DIR)")
     ca.add_argument("action", choices=("stats", "clear"))
-    args = parser.parse_args(argv)
+    return parser
+
+
+def _run(argv: list[str] | None) -> int:
+    args = _parser().parse_args(argv)
 
     if args.command == "download-weights":
         print(_download(args))

@@ -120,7 +120,7 @@ class Settings:
                           "album re-sync and a restart both find; memory: each worker's own; redis: a fleet's")
     cache_dir: str = _setting("", "directory of the disk cache; empty: $XDG_CACHE_HOME/greenserve (~/.cache/greenserve)")
     cache_memory_mb: int = _setting(64, "memory each worker keeps for recent entries (LRU), in front of disk or "
-                                    "redis", unit="MB", parse="int", lo=1, hi=1_000_000)
+                                    "redis; 0: none", unit="MB", parse="int", lo=0, hi=1_000_000)
     cache_disk_mb: int = _setting(1024, "size cap of the disk cache (least recently used entries go first)",
                                   unit="MB", parse="int", lo=1, hi=10_000_000)
     cache_ttl_s: int = _setting(30 * 86400, "how long an entry lives in the disk cache or redis; 0: until evicted",

@@ -135,3 +135,16 @@ def test_a_repeated_image_is_answered_from_the_cache_and_a_corrupt_entry_is_reco
     third = client.post("/v1/embeddings", json=body)
     assert "fwd=miss" in third.headers["Cache-Status"] and len(model.batches) == 2
     assert third.json["data"] == first.json["data"]
+
+
+def test_the_callers_cache_control_embeds_again_or_leaves_the_cache_out(tmp_path: Path) -> None:
+    model = FakeModel()
+    client = create_app(Settings(cache_dir=str(tmp_path)), model=model, fetcher=FakeFetcher({})).test_client()
+    body = {"images": ["data:image/jpeg;base64," + base64.b64encode(images.jpeg(48, 40, seed=3)).decode()]}
+    assert "fwd=miss; stored" in client.post("/v1/embeddings", json=body).headers["Cache-Status"]
+    again = client.post("/v1/embeddings", json=body, headers={"Cache-Control": "no-cache"})
+    assert "fwd=bypass; stored" in again.headers["Cache-Status"] and len(model.batches) == 2
+    other = {"images": ["data:image/jpeg;base64," + base64.b64encode(images.jpeg(48, 40, seed=4)).decode()]}
+    kept_out = client.post("/v1/embeddings", json=other, headers={"Cache-Control": "no-store"})
+    assert "stored" not in kept_out.headers["Cache-Status"]
+    assert "fwd=miss" in client.post("/v1/embeddings", json=other).headers["Cache-Status"] and len(model.batches) == 4

@@ -25,6 +25,10 @@ IMAGE = "data:image/jpeg;base64," + base64.b64encode(images.jpeg(256, 256, seed=
 BIG_IMAGE = "data:image/jpeg;base64," + base64.b64encode(images.jpeg(640, 480, seed=12)).decode()  # x40 < the 8 MB body cap
 
 
+# what a test of the model's own work sends: every image embedded again, not answered by the embedding cache
+MODEL_WORK = {"Cache-Control": "no-cache"}
+
+
 def embed(server: GunicornServer, n: int, image: str = IMAGE, **kw: object) -> requests.Response:
     return requests.post(server.url + "/v1/embeddings", json={"images": [image] * n}, timeout=120, **kw)  # type: ignore[arg-type]
 
@@ -69,7 +73,7 @@ def test_past_the_queue_bound_503_with_retry_after_fast_and_admitted_work_comple
 
 def test_deadline_gives_504_and_the_worker_carries_on(small_queue: GunicornServer) -> None:
     pids = small_queue.worker_pids()
-    r = embed(small_queue, 40, headers={"X-Request-Timeout": "0.3"})
+    r = embed(small_queue, 40, headers={"X-Request-Timeout": "0.3", **MODEL_WORK})
     assert r.status_code == 504 and r.json()["error"]["code"] == "deadline_exceeded"
     assert embed(small_queue, 1).status_code == 200
     assert small_queue.worker_pids() == pids
@@ -134,7 +138,7 @@ def test_metrics_count_what_happened_across_workers(two_workers: GunicornServer)
     before = scrape()
     pids = set()
     for _ in range(6):
-        pids.add(embed(two_workers, 2).headers["X-Worker-PID"])
+        pids.add(embed(two_workers, 2, headers=MODEL_WORK).headers["X-Worker-PID"])
     bad = requests.post(two_workers.url + "/v1/embeddings", json={"images": ["page.jpg"]}, timeout=30)
     assert bad.status_code == 422
     after = scrape()

@@ -20,6 +20,7 @@ from harness.imagehost import ImageHost
 from harness.launch import GunicornServer
 from tests.conftest import E2E_MODEL
 from tests.conftest import GUARD_TOKEN as TOKEN
+from tests.test_e2e_engine import MODEL_WORK
 
 pytestmark = pytest.mark.e2e
 TIMEOUT = 60
@@ -228,7 +229,7 @@ def test_a_flood_gets_503_with_retry_after(guarded: GunicornServer, album: dict[
 def test_statistics_in_tritons_shape_count_this_infer(server: GunicornServer, album: dict[str, bytes]) -> None:
     with client(server) as c:
         before = c.get_inference_statistics(E2E_MODEL)["model_stats"][0]
-        c.infer(E2E_MODEL, [image_input([album[n] for n in NAMES])])
+        c.infer(E2E_MODEL, [image_input([album[n] for n in NAMES])], headers=MODEL_WORK)
         after = c.get_inference_statistics(E2E_MODEL, "1")["model_stats"][0]
         every = c.get_inference_statistics()["model_stats"]
         with pytest.raises(InferenceServerException, match="unknown model"):

@@ -8,6 +8,7 @@ the cache's own thread, since a query blocks its thread; Redis runs in the green
 from __future__ import annotations
 
 import logging
+import sqlite3
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
@@ -108,7 +109,12 @@ def shared_store(settings: Settings) -> Store | None:
     """The store shared beyond one worker that ``GREENSERVE_CACHE`` names (None for off and memory)."""
     timeout_s = settings.cache_timeout_ms / 1000
     if settings.cache == "disk":
-        return DiskStore(settings.cache_directory(), settings.cache_disk_mb * MB, timeout_s)
+        try:
+            return DiskStore(settings.cache_directory(), settings.cache_disk_mb * MB, timeout_s)
+        except (OSError, sqlite3.Error) as exc:  # a read-only home, say: serve on, with each worker's memory
+            log.warning("embedding cache: no disk store at %s (%s); set GREENSERVE_CACHE_DIR to a writable "
+                        "directory. Caching in each worker's memory only", settings.cache_directory(), exc)
+            return None
     if settings.cache.startswith(("redis://", "rediss://", "unix://")):
         from service.cache.redis_store import RedisStore  # only where Redis is used
 

@@ -44,6 +44,7 @@ class RequestContext:
     client: Any = field(default=None, repr=False)  # the client's socket (gunicorn's), to see it leave
     caller: str = ""  # who is asking, for fair sharing (``caller_of``): never logged, never a metric label
     caller_source: str = ""  # how the caller was told apart: token, header, forwarded, address
+    cache_control: str = ""  # the request's Cache-Control: no-cache (embed again) or no-store (no cache at all)
 
     @classmethod
     def begin(cls, headers: Mapping[str, str], client: Any, now: float, *, remote_addr: str | None = None,
@@ -52,7 +53,7 @@ class RequestContext:
         rid = headers.get("X-Request-ID", "")
         source, caller = caller_of(headers, remote_addr, caller_from)
         return cls(rid if _REQUEST_ID_RE.match(rid) else uuid.uuid4().hex, now, headers.get("X-Request-Timeout"),
-                   client, caller, source)
+                   client, caller, source, headers.get("Cache-Control", "").lower())
 
     def deadline(self, request_timeout_s: float, protocol_timeout_s: float | None = None) -> float:
         """GREENSERVE_REQUEST_TIMEOUT_S from the start, shortened by X-Request-Timeout or by the protocol's

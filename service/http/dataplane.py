@@ -59,7 +59,7 @@ def run(p: Parts, ctx: RequestContext, req: InferenceRequest, task: str, *,
     ``progress`` hears of each image's answer as it is ready (a streamed answer)."""
     check_task(p.runner.info, req, task)
     metrics.CALLER_REQUESTS.labels(ctx.caller_source).inc()
-    tally = tally_for(p, req)
+    tally = tally_for(p, ctx, req)
     with cancel_on_hang_up(client(p.settings, ctx)):
         body = p.orchestrator.run(req, task, deadline=ctx.deadline(p.settings.request_timeout_s, timeout_s),
                                   request_id=ctx.request_id, caller=ctx.caller, progress=progress, tally=tally)
@@ -74,7 +74,7 @@ def run_rows(p: Parts, ctx: RequestContext, req: InferenceRequest, tasks: tuple[
     for task in tasks:
         check_task(p.runner.info, req, task)
     metrics.CALLER_REQUESTS.labels(ctx.caller_source).inc()
-    tally = tally_for(p, req)
+    tally = tally_for(p, ctx, req)
     with cancel_on_hang_up(client(p.settings, ctx)):
         rows = p.orchestrator.run_rows(req, deadline=ctx.deadline(p.settings.request_timeout_s, timeout_s),
                                        request_id=ctx.request_id, caller=ctx.caller, tally=tally)
@@ -82,9 +82,14 @@ def run_rows(p: Parts, ctx: RequestContext, req: InferenceRequest, tasks: tuple[
     return rows, Served(size(req), rows.timings_ms, tally)
 
 
-def tally_for(p: Parts, req: InferenceRequest) -> CacheTally | None:
-    """A record of what the cache does for ``req``'s images; None when the cache is off or there are none."""
-    return CacheTally() if p.orchestrator.cache is not None and req.refs else None
+def tally_for(p: Parts, ctx: RequestContext, req: InferenceRequest) -> CacheTally | None:
+    """A record of what the cache does for ``req``'s images; None when the cache is off or there are none.
+    The request's own ``Cache-Control`` (RFC 9111): ``no-cache`` embeds every image again and stores the
+    result, ``no-store`` leaves the cache out of it."""
+    if p.orchestrator.cache is None or not req.refs:
+        return None
+    return CacheTally(read="no-cache" not in ctx.cache_control and "no-store" not in ctx.cache_control,
+                      write="no-store" not in ctx.cache_control)
 
 
 def size(req: InferenceRequest) -> int:

@@ -8,7 +8,8 @@
     keep         a computed row's outputs and its URL's record, written in one call when the request ends
 
 A URL is never enough to answer: only its validators confirmed by the host (a 304), the host's max-age, or
-the bytes themselves. ``Cache-Control: no-store`` from the host: nothing read or written for that image.
+the bytes themselves. ``Cache-Control: no-store`` from the host: nothing read or written for that image; from
+the caller, for its request (``no-cache``: every image embedded again, and stored).
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ class CacheTally:
     misses: int = 0
     bypassed: int = 0  # no-store, or the store did not answer
     stored: bool = False
+    read: bool = True  # the request lets the cache answer (no Cache-Control: no-cache / no-store)
+    write: bool = True  # and lets what it computes be stored (no Cache-Control: no-store)
 
     def header(self) -> str:
         detail = f'detail="hit={self.hits} revalidated={self.revalidated} fresh={self.fresh} miss={self.misses}' \
@@ -76,6 +79,8 @@ class Recall:
     _answered: bool = True  # the last lookup reached every store: what it did not find is a miss, not a bypass
 
     def prefetch(self, urls: Sequence[str], uploads: Mapping[int, bytes]) -> None:
+        if not self.tally.read:
+            return
         keys = {entries.url_key(u): u for u in urls}
         found, _ = self.cache.get_many(list(keys))
         for key, url in keys.items():
@@ -102,8 +107,7 @@ class Recall:
         if isinstance(got, Fetched):
             if "no-store" in _directives(got.cache_control):
                 self._unkept.add(index)
-                self.tally.bypassed += 1
-                metrics.CACHE_LOOKUPS.labels("bypass").inc()
+                self._bypass()
                 return None
             if url is not None and got.data is None:  # 304: the record asked with still holds
                 record = self._records[url]
@@ -119,6 +123,9 @@ class Recall:
         assert data is not None
         content = self._content.get(index) or self.cache.digest(data)
         self._content[index] = content
+        if not self.tally.read:
+            self._bypass()
+            return None
         if content not in self._found:
             self._lookup({content})
         if url is not None and isinstance(got, Fetched):
@@ -134,7 +141,7 @@ class Recall:
 
     def flush(self) -> None:
         """The request's new entries and URL records, in one store call."""
-        if self._pending:
+        if self._pending and self.tally.write:
             self.tally.stored = self.cache.put_many(self._pending) and any(k.startswith("e:") for k in self._pending)
             self._pending = {}
 
@@ -168,9 +175,12 @@ class Recall:
             self.tally.misses += 1
             metrics.CACHE_LOOKUPS.labels("miss").inc()
         else:
-            self.tally.bypassed += 1
-            metrics.CACHE_LOOKUPS.labels("bypass").inc()
+            self._bypass()
         return outputs
+
+    def _bypass(self) -> None:
+        self.tally.bypassed += 1
+        metrics.CACHE_LOOKUPS.labels("bypass").inc()
 
     def _count(self, *, fresh: bool, revalidated: bool) -> None:
         self.tally.hits += 1
