@@ -152,10 +152,10 @@ def main(argv: list[str] | None = None) -> int:
                 with GunicornServer({**env, **extra}, cache=cache, workers=1, ready_timeout_s=300) as srv:
                     album_once(srv, [f"{n}?warm={slot}" for n in list(blobs)[:4]])  # shapes once
                     results[label] = measure(srv, host, blobs, f"s{slot}", args.repeats, cached=cache != "off")
+        stores = stores_alone(redis_url) if args.stores else []
     finally:
         if redis_proc:
             redis_proc.kill()
-    stores = stores_alone(redis_url) if args.stores else []
     print(rows_table(_table(results)), flush=True)
     if stores:
         print(rows_table(stores), flush=True)
