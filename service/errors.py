@@ -20,6 +20,7 @@
     │   ├── NotAnImage                not_an_image, empty_image, truncated_image, invalid_image,
     │   │                             invalid_base64
     │   └── FetchError                fetch_failed, fetch_timeout, url_not_allowed, invalid_url
+    │       └── FetchDeadline         the request's deadline ended a fetch: the request answers 504
     ├── ImagesFailed (by its images)  the request failed because of its images (partial=false)
     ├── OverShare (429)               over_share: the caller has its share of the worker's queue; Retry-After
     ├── Overloaded (503)              overloaded, not_ready; carries Retry-After
@@ -113,6 +114,13 @@ class NotAnImage(ImageError):
 
 class FetchError(ImageError):
     code = "fetch_failed"
+
+
+class FetchDeadline(FetchError):
+    """A fetch the request's deadline cut short (not GREENSERVE_FETCH_TIMEOUT_S): the orchestrator answers
+    the request 504 ``deadline_exceeded``, as a deadline passing anywhere else does, never 422 for its image."""
+
+    code = "fetch_timeout"
 
 
 class ImagesFailed(GreenserveError):

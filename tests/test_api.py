@@ -12,6 +12,7 @@ from flask.testing import FlaskClient
 from PIL import Image
 
 from service.app import create_app
+from service.errors import FetchDeadline
 from service.settings import Settings
 from tests import images
 from tests.fakes import FakeFetcher, FakeModel
@@ -168,6 +169,17 @@ def test_deadline_header_gives_504(fetcher: FakeFetcher) -> None:
     client = make_client(FakeModel(delay_s=0.5), fetcher)
     r = client.post("/v1/embeddings", json={"images": ["g10.png"]}, headers={"X-Request-Timeout": "0.1"})
     assert r.status_code == 504 and r.json["error"]["code"] == "deadline_exceeded"
+
+
+@pytest.mark.parametrize("partial", [False, True])
+def test_a_fetch_the_deadline_cut_short_is_504_not_the_images_422(fetcher: FakeFetcher, partial: bool) -> None:
+    """The fetcher's timer for the request's deadline can fire before the request's own (gevent's loop time
+    lags): its image error must still end the request 504, as the deadline anywhere else does."""
+    fetcher.blobs[BASE + "late.png"] = FetchDeadline("the request deadline passed before this image could be fetched")
+    client = make_client(FakeModel(), fetcher)
+    r = client.post("/v1/embeddings", json={"images": ["g10.png", "late.png"], "partial": partial})
+    assert r.status_code == 504 and r.json["error"]["code"] == "deadline_exceeded", r.json
+    assert client.post("/v1/embeddings", json={"images": ["g10.png"]}).status_code == 200
 
 
 def test_images_that_fail_on_the_way_are_not_waited_for(model: FakeModel, fetcher: FakeFetcher) -> None:

@@ -34,7 +34,7 @@ import gevent.pool
 import requests
 from gevent.lock import BoundedSemaphore
 
-from service.errors import FetchError, ImageError
+from service.errors import FetchDeadline, FetchError, ImageError
 from service.pipeline.fetch_body import read_body, reason
 from service.pipeline.ssrf import SCHEMES, AddressPolicy, GuardedAdapter, url_not_allowed
 from service.settings import Settings
@@ -137,25 +137,24 @@ class HttpFetcher:
         for the URL's sake."""
         wait = None if deadline is None else deadline - time.monotonic()
         if wait is not None and wait <= 0 or not self._slots.acquire(timeout=wait):
-            return FetchError("the request deadline passed before this image could be fetched",
-                              code="fetch_timeout")
+            return FetchDeadline("the request deadline passed before this image could be fetched")
         try:
             budget = self.settings.fetch_timeout_s
             if deadline is not None:
                 budget = min(budget, deadline - time.monotonic())
             if budget <= 0:
-                return FetchError("the request deadline passed before this image could be fetched",
-                                  code="fetch_timeout")
+                return FetchDeadline("the request deadline passed before this image could be fetched")
             with gevent.Timeout(budget) as timer:
                 try:
                     return self._with_retries(url, time.monotonic() + budget, validators)
                 except gevent.Timeout as exc:
                     if exc is not timer:
                         raise
-                    limit = ("GREENSERVE_FETCH_TIMEOUT_S" if budget >= self.settings.fetch_timeout_s
-                             else "the request deadline")
-                    return FetchError(f"fetching took longer than {budget:.1f}s ({limit}); check the image "
-                                      "host or allow more time", code="fetch_timeout")
+                    if budget < self.settings.fetch_timeout_s:  # the request's deadline, not the image's
+                        return FetchDeadline(f"fetching took longer than the {budget:.1f}s the request deadline "
+                                             "left")
+                    return FetchError(f"fetching took longer than {budget:.1f}s (GREENSERVE_FETCH_TIMEOUT_S); check "
+                                      "the image host or allow more time", code="fetch_timeout")
                 except ImageError as err:
                     return err
         finally:

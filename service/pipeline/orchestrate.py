@@ -31,7 +31,7 @@ from service.engine.batcher import Row
 from service.engine.runner import Runner
 from service.engine.scheduling import Admission
 from service.engine.types import EncodedJpeg, ModelInfo, Transform
-from service.errors import DeadlineExceeded, ImageError, ImagesFailed
+from service.errors import DeadlineExceeded, FetchDeadline, ImageError, ImagesFailed
 from service.pipeline import answers
 from service.pipeline.answers import Spans
 from service.pipeline.decode import decode_image, decode_opened, jpeg_for_device, open_checked
@@ -145,7 +145,7 @@ class Orchestrator:
         if req.text.texts:
             return self.run_texts(req, deadline=deadline, caller=caller, progress=progress)
         info, outcomes, spans, prompts = self._collect(req, task, deadline, request_id, caller, progress, tally)
-        return self._respond(req, task, info, outcomes, spans, prompts)
+        return answers.images(req, task, info, outcomes, self._report_failures(req, outcomes), spans, prompts)
 
     def run_rows(self, req: InferenceRequest, *, deadline: float, request_id: str = "", caller: str = "",
                  tally: CacheTally | None = None) -> Rows:
@@ -185,9 +185,10 @@ class Orchestrator:
                         spans.add("text", t0, time.monotonic())
                     self._process(req, work, request_id)
             except _ImageFailed:
-                self._keep(work)
                 self._fail(req, outcomes)
-            self._keep(work)
+            finally:  # what was computed is kept, whether or not the request still answers
+                if work.recall is not None:
+                    work.recall.flush()
         return info, outcomes, spans, work.prompts
 
     def run_texts(self, req: InferenceRequest, *, deadline: float, caller: str = "",
@@ -213,11 +214,6 @@ class Orchestrator:
             self._model_ids = {id(info): model_id(info)}
         return Recall(self.cache, self._model_ids[id(info)], tally or CacheTally())
 
-    @staticmethod
-    def _keep(work: _Work) -> None:
-        if work.recall is not None:
-            work.recall.flush()
-
     def _process(self, req: InferenceRequest, work: _Work, request_id: str) -> None:
         group = gevent.pool.Group()
         try:
@@ -237,6 +233,8 @@ class Orchestrator:
                 for i, result in self.fetcher.fetch_many(urls, deadline=work.deadline, request_id=request_id,
                                                          validators=validators):
                     work.spans.add("fetch", fetch_start, time.monotonic())
+                    if isinstance(result, FetchDeadline):  # 504, as the deadline anywhere else; not 422
+                        raise _deadline_passed("images")
                     group.spawn(self._image, req, remote[i], result, work)
             group.join(raise_error=True)
         finally:
@@ -319,12 +317,11 @@ class Orchestrator:
                 self.on_image_error(err)
         return failures
 
-    def _respond(self, req: InferenceRequest, task: str, info: ModelInfo, outcomes: dict[int, Row | ImageError],
-                 spans: Spans, prompts: np.ndarray | None) -> dict[str, Any]:
-        return answers.images(req, task, info, outcomes, self._report_failures(req, outcomes), spans, prompts)
-
 
 def _deadline_timeout(deadline: float, what: str) -> gevent.Timeout:
     """Raises ``DeadlineExceeded`` in the request's greenlet where it waits, once ``deadline`` passes."""
-    return gevent.Timeout(max(0.0, deadline - time.monotonic()), DeadlineExceeded(
-        f"the request deadline passed; retry with fewer {what} or a longer X-Request-Timeout"))
+    return gevent.Timeout(max(0.0, deadline - time.monotonic()), _deadline_passed(what))
+
+
+def _deadline_passed(what: str) -> DeadlineExceeded:
+    return DeadlineExceeded(f"the request deadline passed; retry with fewer {what} or a longer X-Request-Timeout")
