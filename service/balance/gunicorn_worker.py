@@ -4,21 +4,32 @@ Everything is gunicorn's ``GeventWorker`` except that the worker builds its ``Ba
 the master gave it, its listeners accept only while the balance says so, every connection and request is
 reported to the balance, and a shutdown signal stops accepting at once (gunicorn's loop notices it up to
 a second later, and served fresh connections meanwhile).
+
+A master that dies (``kill -9``) is a graceful stop too: the kernel sends the worker SIGTERM at once
+(``PR_SET_PDEATHSIG``), and where gunicorn's gevent worker would ``sys.exit`` at its next heartbeat and cut
+every request in flight, this one stops accepting, finishes what it holds within the graceful timeout and
+exits.
 """
 
 from __future__ import annotations
 
-import functools
+import ctypes
+import os
+import signal
+import sys
 from typing import Any
 
+import gevent
 from gevent.server import StreamServer
 from gunicorn.workers import ggevent
+from gunicorn.workers.base import Worker
 
 from service.balance.board import Seat
 from service.balance.gate import Balance, Policy
 from service.settings import Settings
 
 _current: Balance | None = None
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 def worker_balance() -> Balance | None:
@@ -68,16 +79,40 @@ class GatedStreamServer(StreamServer):  # type: ignore[misc]  # gevent has no ty
 
 class GreenserveWorker(ggevent.GeventWorker):  # type: ignore[misc]  # nor gunicorn
     greenserve_seat: Seat | None = None  # set by gunicorn.conf.py's pre_fork hook
+    alive: bool  # gunicorn's: the run loop goes on while it holds
 
     def init_process(self) -> None:
         global _current
         self.balance = _current = Balance(self.greenserve_seat, Policy.from_settings(Settings.from_env()))
+        _term_when_parent_dies()
         super().init_process()
+
+    def notify(self) -> None:
+        Worker.notify(self)  # the heartbeat; not GeventWorker's, which exits at once when the master is gone
+        if self.alive and self.ppid != os.getppid():
+            self.log.warning("the master (pid %s) is gone: this worker stops accepting, finishes the requests it "
+                             "holds and exits", self.ppid)
+            self.stop_listening()
+            self.alive = False
 
     def run(self) -> Any:
         # GeventWorker.run builds its servers from the module's StreamServer name
-        ggevent.StreamServer = functools.partial(GatedStreamServer, balance=self.balance)
+        self.listeners: list[GatedStreamServer] = []
+
+        def listener(*args: Any, **kwargs: Any) -> GatedStreamServer:
+            server = GatedStreamServer(*args, balance=self.balance, **kwargs)
+            self.listeners.append(server)
+            return server
+
+        ggevent.StreamServer = listener
         return super().run()
+
+    def stop_listening(self) -> None:
+        """Accept nothing more, at once: the gate shut and this worker's listening sockets closed (once every
+        process holding the port has closed it, the kernel refuses new connections instead of queueing them)."""
+        self.balance.close()
+        for server in getattr(self, "listeners", ()):
+            gevent.spawn(server.close)  # from a signal handler too: closed on the hub's next turn
 
     def handle(self, listener: Any, client: Any, addr: Any) -> None:
         try:
@@ -98,5 +133,16 @@ class GreenserveWorker(ggevent.GeventWorker):  # type: ignore[misc]  # nor gunic
         super().handle_quit(sig, frame)
 
     def handle_exit(self, sig: Any, frame: Any) -> None:
-        self.balance.close()
+        self.stop_listening()
         super().handle_exit(sig, frame)
+
+
+def _term_when_parent_dies() -> None:
+    """SIGTERM to this process the moment its parent (the master) dies; Linux only, elsewhere the heartbeat
+    (``notify``) notices within a second."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+    except (OSError, AttributeError):
+        return

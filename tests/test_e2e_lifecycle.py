@@ -1,0 +1,82 @@
+"""Process lifecycle on real gunicorn -k gevent: a master killed with ``kill -9`` leaves workers that stop
+accepting at once, finish the requests they hold and exit (gunicorn's gevent worker exited at its next
+heartbeat, up to a second later, cutting every request in flight)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import requests
+
+from harness.imagehost import ImageHost
+from harness.launch import GunicornServer
+from tests.conftest import e2e_env
+
+pytestmark = pytest.mark.e2e
+
+
+def alive(pids: set[int]) -> set[int]:
+    out = set()
+    for pid in pids:
+        try:
+            os.kill(pid, 0)
+            out.add(pid)
+        except ProcessLookupError:
+            pass
+    return out
+
+
+def refuses(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+        return False
+    except (ConnectionRefusedError, TimeoutError, OSError):
+        return True
+
+
+def test_a_dead_masters_workers_stop_accepting_and_finish_what_they_hold(weights_file: Path,
+                                                                        image_host: ImageHost) -> None:
+    env = e2e_env(weights_file, image_host, GREENSERVE_GRACEFUL_TIMEOUT_S="20", GREENSERVE_FETCH_TIMEOUT_S="10")
+    srv = GunicornServer(env, workers=2).start()
+    try:
+        workers = srv.worker_pids()
+        answers: list[int | str] = []
+
+        def slow(i: int) -> None:  # photos the image host sends 2.5 s late: in flight when the master dies
+            try:
+                r = requests.post(srv.url + "/v1/embeddings", json={"images": [f"img00{i}.jpg?delay=2.5&m={i}"]},
+                                  headers={"Cache-Control": "no-store"}, timeout=30)
+                answers.append(r.status_code)
+            except requests.RequestException as exc:
+                answers.append(type(exc).__name__)
+
+        clients = [threading.Thread(target=slow, args=(i,)) for i in range(4)]
+        for t in clients:
+            t.start()
+        time.sleep(1.0)
+        assert srv.proc is not None
+        t_kill = time.monotonic()
+        srv.proc.send_signal(signal.SIGKILL)
+        srv.proc.wait()
+        while not refuses(srv.port) and time.monotonic() - t_kill < 5:
+            time.sleep(0.05)
+        refused_after = time.monotonic() - t_kill
+        for t in clients:
+            t.join(30)
+        while alive(workers) and time.monotonic() - t_kill < 25:
+            time.sleep(0.1)
+        lingering = alive(workers)
+        for pid in lingering:
+            os.kill(pid, signal.SIGKILL)
+    finally:
+        srv.stop()
+    print(f"\nport refusing {refused_after:.2f}s after the kill; answers {answers}")
+    assert answers == [200] * 4, answers  # nothing in flight was cut
+    assert refused_after < 0.5, f"the orphaned workers still accepted {refused_after:.2f}s after their master died"
+    assert not lingering, "orphaned workers outlived the graceful timeout"
