@@ -8,6 +8,7 @@ survive fork. The hooks only prepare what workers share: the metrics directory a
 import os
 import shutil
 import tempfile
+import time
 
 from gunicorn import systemd
 
@@ -60,6 +61,12 @@ def on_starting(server):
     """Before any fork: a fresh prometheus multiprocess directory and the shared load board."""
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="greenserve-metrics-")
     server.greenserve_board = LoadBoard()
+
+
+def on_reload(server):
+    """HUP: the workers about to be stopped hand over to their replacements (``gunicorn_worker``) rather than
+    stop accepting before any replacement can serve."""
+    server.greenserve_board.mark_reload(time.monotonic())
 
 
 def pre_fork(server, worker):

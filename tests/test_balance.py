@@ -10,7 +10,7 @@ import gevent
 import gevent.event
 import gevent.pool
 
-from service.balance.board import UNAVAILABLE, LoadBoard, Seat
+from service.balance.board import HANDOVER, UNAVAILABLE, LoadBoard, Seat
 from service.balance.gate import ARRIVAL_WINDOW_S, BORROW_QUIET_S, Balance, Policy
 from service.balance.gunicorn_worker import GatedStreamServer
 
@@ -112,6 +112,18 @@ def test_closing_stops_accepting_at_once() -> None:
     balance, _, _, listener, _ = pair()
     balance.close()
     assert listener.accepting is False and not balance.may_accept()
+
+
+def test_handing_over_serves_behind_a_ready_replacement_but_ahead_of_a_loading_one() -> None:
+    balance, board, sibling, listener, _ = pair()
+    balance.hand_over()
+    board.publish(sibling, UNAVAILABLE, 0)  # the replacement loads its model
+    assert balance.may_accept() and listener.accepting and not balance.replaced()
+    assert board.siblings(sibling)[0][0] >= HANDOVER  # what the replacement sees: an old worker, behind it
+    board.publish(sibling, HANDOVER + 2, 0)  # another old worker, handing over too, is no replacement
+    assert not balance.replaced()
+    board.publish(sibling, 3, 0)  # ready and busy: it comes first all the same
+    assert not balance.may_accept() and balance.replaced()
 
 
 def test_idle_connections_past_the_cap_are_hung_up_oldest_first() -> None:

@@ -1,6 +1,7 @@
 """Process lifecycle on real gunicorn -k gevent: a master killed with ``kill -9`` leaves workers that stop
 accepting at once, finish the requests they hold and exit (gunicorn's gevent worker exited at its next
-heartbeat, up to a second later, cutting every request in flight)."""
+heartbeat, up to a second later, cutting every request in flight); a reload (HUP) keeps the old workers
+serving until a replacement is ready."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import requests
 
 from harness.imagehost import ImageHost
 from harness.launch import GunicornServer
+from harness.load import Load, load_summary
 from tests.conftest import e2e_env
 
 pytestmark = pytest.mark.e2e
@@ -80,3 +82,33 @@ def test_a_dead_masters_workers_stop_accepting_and_finish_what_they_hold(weights
     assert answers == [200] * 4, answers  # nothing in flight was cut
     assert refused_after < 0.5, f"the orphaned workers still accepted {refused_after:.2f}s after their master died"
     assert not lingering, "orphaned workers outlived the graceful timeout"
+
+
+def test_a_reload_keeps_the_old_workers_serving_until_a_replacement_is_ready(weights_file: Path,
+                                                                             image_host: ImageHost) -> None:
+    """HUP under load: requests that start after the signal and before any new worker is ready are answered
+    by the old workers (they used to stop accepting at once, and those requests waited for a model load)."""
+    body = {"images": [f"img00{i}.jpg" for i in range(4)]}
+    with GunicornServer(e2e_env(weights_file, image_host), workers=2) as srv:
+        old = srv.worker_pids()
+        with Load(srv.url, 4, body, duration_s=60, headers={"Cache-Control": "no-store"}) as load:
+            time.sleep(2.0)
+            assert srv.proc is not None
+            t_hup = time.monotonic()
+            os.kill(srv.proc.pid, signal.SIGHUP)
+            deadline = t_hup + 40
+            while time.monotonic() < deadline:
+                recent = {d.pid for d in load.since(time.monotonic() - 1.0) if d.status == 200}
+                if recent and not recent & old:
+                    break
+                time.sleep(0.5)
+            load.stop()
+    done = load.done
+    new = {d.pid for d in done} - old
+    assert new and all(d.status == 200 for d in done), load_summary(done)
+    first_new = min(d.ended for d in done if d.pid in new)
+    meanwhile = [d for d in done if t_hup + 0.3 < d.started < first_new - 0.5]
+    seconds = sorted(d.seconds for d in done)
+    print(f"\nHUP: {len(meanwhile)} requests started before a new worker served; max {seconds[-1]:.2f}s, "
+          f"p50 {seconds[len(seconds) // 2]:.2f}s")
+    assert len(meanwhile) >= 3 and {d.pid for d in meanwhile} <= old, [(d.pid, d.seconds) for d in meanwhile]

@@ -10,6 +10,9 @@ SLOTS = 256  # more than any worker count; a dead worker's slot is reused by its
 # The load a worker publishes while it must not be deferred to: its model is loading or failed, or it is
 # shutting down. Siblings then take the connections; borrowing counts it as busy.
 UNAVAILABLE = 1 << 30
+# What a worker adds to its load while it hands over to its replacements after a reload: it still serves, but
+# any ready worker of the new generation comes first, and a worker still loading (UNAVAILABLE) comes after.
+HANDOVER = 1 << 29
 
 
 class LoadBoard:
@@ -21,6 +24,7 @@ class LoadBoard:
         self._top = multiprocessing.RawValue("i", 0)  # slots in use are below this: reads scan only those
         # when a worker last started a request while a sibling had one (CLOCK_MONOTONIC: one clock per host)
         self._overlap_at = multiprocessing.RawValue("d", float("-inf"))
+        self._reload_at = multiprocessing.RawValue("d", float("-inf"))  # the master's last HUP (CLOCK_MONOTONIC)
 
     def claim(self) -> int:
         """Master, before fork: the first free slot, marked alive and unavailable until its model is ready."""
@@ -44,6 +48,13 @@ class LoadBoard:
     def overlap_at(self) -> float:
         """When two workers last had requests at once (``-inf``: never)."""
         return float(self._overlap_at.value)
+
+    def mark_reload(self, now: float) -> None:
+        """Master, on HUP, before it spawns the new workers and stops the old ones."""
+        self._reload_at.value = now
+
+    def reload_at(self) -> float:
+        return float(self._reload_at.value)
 
     def siblings(self, slot: int) -> list[tuple[int, int]]:
         """(load, kept connections) of every other live worker."""

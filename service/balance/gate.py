@@ -29,7 +29,7 @@ from typing import Any, Protocol
 
 import gevent
 
-from service.balance.board import UNAVAILABLE, Seat
+from service.balance.board import HANDOVER, UNAVAILABLE, Seat
 from service.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -85,6 +85,7 @@ class Balance:
         self._arriving: OrderedDict[Any, float] = OrderedDict()  # accepted, no request yet → accepted at
         self._kept: set[Any] = set()  # connections that served a request and were not shed
         self._closing = False
+        self._handing_over = False
         self._accepting: bool | None = None
         self._ticker: gevent.Greenlet | None = None
 
@@ -114,6 +115,16 @@ class Balance:
         """Shutting down (SIGTERM/SIGINT/HUP): accept nothing more, at once."""
         self._closing = True
         self.apply()
+
+    def hand_over(self) -> None:
+        """Stopping after a reload: serve on, behind any ready worker (``HANDOVER``), until ``replaced``."""
+        self._handing_over = True
+        self.apply()
+
+    def replaced(self) -> bool:
+        """A sibling that is ready and not itself handing over is serving: this worker may stop."""
+        siblings = self._seat.board.siblings(self.slot) if self._seat else []
+        return any(load < HANDOVER for load, _ in siblings)
 
     # ------------------------------------------------------------------ connections (the gunicorn worker)
 
@@ -184,7 +195,7 @@ class Balance:
         horizon = self._clock() - ARRIVAL_WINDOW_S
         while self._arriving and next(iter(self._arriving.values())) < horizon:
             self._arriving.popitem(last=False)
-        return self._requests + len(self._arriving)
+        return self._requests + len(self._arriving) + (HANDOVER if self._handing_over else 0)
 
     def apply(self) -> bool:
         """Publish this worker's load, decide, and open or close the listeners (idempotent)."""
