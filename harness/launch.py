@@ -127,9 +127,17 @@ class GunicornServer(ServerProcess):
         out = subprocess.run(["pgrep", "-P", str(self.proc.pid)], capture_output=True, text=True)
         return {int(p) for p in out.stdout.split()}
 
-    def healthz_pids(self, tries: int = 40) -> set[int]:
-        """PIDs that answer /healthz over fresh connections (spread over workers by the kernel)."""
-        pids = set()
-        for _ in range(tries):
+    def healthz_pids(self, tries: int = 40, within_s: float = 10.0) -> set[int]:
+        """PIDs that answer /healthz over fresh connections: at least ``tries`` probes, and more until every
+        worker has answered or ``within_s`` has passed (a worker still finishing an earlier test's request
+        defers to its idle sibling, so a burst of probes can all land on one)."""
+        pids: set[int] = set()
+        deadline = time.monotonic() + within_s
+        workers = self.worker_pids()
+        n = 0
+        while n < tries or pids != workers and time.monotonic() < deadline:
             pids.add(requests.get(self.url + "/healthz", timeout=5).json()["pid"])
+            n += 1
+            if n >= tries and pids != workers:
+                time.sleep(0.05)
         return pids
