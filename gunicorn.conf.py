@@ -58,9 +58,19 @@ control_socket_disable = True
 
 
 def on_starting(server):
-    """Before any fork: a fresh prometheus multiprocess directory and the shared load board."""
+    """Before any fork: a fresh prometheus multiprocess directory and the shared load board. A stop clears
+    the board's reload stamp before the master signals its workers: stopped within a reload's graceful
+    timeout, they must drain at once, not wait to hand over to replacements that will never come. gunicorn
+    has no hook before it signals, hence the wrapper."""
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="greenserve-metrics-")
-    server.greenserve_board = LoadBoard()
+    server.greenserve_board = board = LoadBoard()
+    stop = server.stop
+
+    def stopping(graceful=True):
+        board.mark_reload(float("-inf"))
+        stop(graceful)
+
+    server.stop = stopping
 
 
 def on_reload(server):

@@ -112,3 +112,26 @@ def test_a_reload_keeps_the_old_workers_serving_until_a_replacement_is_ready(wei
     print(f"\nHUP: {len(meanwhile)} requests started before a new worker served; max {seconds[-1]:.2f}s, "
           f"p50 {seconds[len(seconds) // 2]:.2f}s")
     assert len(meanwhile) >= 3 and {d.pid for d in meanwhile} <= old, [(d.pid, d.seconds) for d in meanwhile]
+
+
+def test_a_stop_soon_after_a_reload_drains_at_once(weights_file: Path, image_host: ImageHost) -> None:
+    """A SIGTERM to the master within a reload's graceful timeout is a stop, not a handover: the workers
+    must not wait for replacements that will never come (they would hold the stop for the whole timeout)."""
+    env = e2e_env(weights_file, image_host, GREENSERVE_GRACEFUL_TIMEOUT_S="30")
+    srv = GunicornServer(env, workers=2).start()
+    try:
+        assert srv.proc is not None
+        old = srv.worker_pids()
+        os.kill(srv.proc.pid, signal.SIGHUP)
+        deadline = time.monotonic() + 60
+        while srv.log().count("model ready:") < 4 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        while alive(old) and time.monotonic() < deadline:  # the old ones handed over and left
+            time.sleep(0.2)
+        t_stop = time.monotonic()
+        srv.proc.send_signal(signal.SIGTERM)
+        srv.proc.wait(40)
+        took = time.monotonic() - t_stop
+    finally:
+        srv.stop()
+    assert took < 10, f"the stop took {took:.1f}s: the workers waited to hand over"
