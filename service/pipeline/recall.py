@@ -105,16 +105,17 @@ class Recall:
     def recall(self, index: int, url: str | None, got: Fetched | bytes) -> Outputs | None:
         """The outputs already known for image ``index``, or None: decode and infer it, then ``keep``."""
         if isinstance(got, Fetched):
+            if url is not None and got.data is None:  # 304: the record asked with still holds
+                record = self._records[url]
+                metrics.CACHE_REVALIDATIONS.labels("not_modified").inc()
+                if "no-store" not in _directives(got.cache_control):
+                    self._remember(url, record.content, got)
+                self._count(fresh=False, revalidated=True)
+                return self._found[record.content]  # (a 304 has no body to embed: the entry answers)
             if "no-store" in _directives(got.cache_control):
                 self._unkept.add(index)
                 self._bypass()
                 return None
-            if url is not None and got.data is None:  # 304: the record asked with still holds
-                record = self._records[url]
-                metrics.CACHE_REVALIDATIONS.labels("not_modified").inc()
-                self._remember(url, record.content, got)
-                self._count(fresh=False, revalidated=True)
-                return self._found[record.content]
             if url in self._records:
                 metrics.CACHE_REVALIDATIONS.labels("modified").inc()
             data = got.data
