@@ -39,14 +39,14 @@ class RedisStore:
         values = self._call(lambda: self.client.mget([PREFIX + k for k in keys]))
         return {k: v for k, v in zip(keys, values, strict=True) if v is not None}
 
-    def put_many(self, items: Mapping[str, bytes], ttl_s: float) -> int:
+    def put_many(self, items: Mapping[str, bytes], ttl_s: float, first_wins: bool = False) -> int:
         if not items:
             return 0
 
         def write() -> Any:
             pipe = self.client.pipeline(transaction=False)
             for key, value in items.items():
-                pipe.set(PREFIX + key, value, ex=int(ttl_s) if ttl_s >= 1 else None)
+                pipe.set(PREFIX + key, value, ex=int(ttl_s) if ttl_s >= 1 else None, nx=first_wins)
             return pipe.execute()
 
         self._call(write)

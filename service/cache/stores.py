@@ -30,7 +30,9 @@ class Store(Protocol):
 
     def get_many(self, keys: Sequence[str]) -> dict[str, bytes]: ...  # the keys it has; StoreDown
 
-    def put_many(self, items: Mapping[str, bytes], ttl_s: float) -> int: ...  # entries evicted; StoreDown
+    # entries evicted; StoreDown. ``first_wins``: a key already there keeps its value (an entry: two forwards of
+    # one photo in other batches differ in the last float bits, and every worker must answer the same bits)
+    def put_many(self, items: Mapping[str, bytes], ttl_s: float, first_wins: bool = False) -> int: ...
 
     def stats(self) -> dict[str, Any]: ...
 
@@ -57,9 +59,11 @@ class MemoryStore:
                 found[key] = value
         return found
 
-    def put_many(self, items: Mapping[str, bytes], ttl_s: float = 0.0) -> int:
+    def put_many(self, items: Mapping[str, bytes], ttl_s: float = 0.0, first_wins: bool = False) -> int:
         evicted = 0
         for key, value in items.items():
+            if first_wins and key in self._items:
+                continue
             old = self._items.pop(key, None)
             if old is not None:
                 self.bytes -= len(key) + len(old)
@@ -120,7 +124,7 @@ class DiskStore:
             raise StoreDown(f"sqlite: {exc}") from exc
         return {k: bytes(v) for k, v in rows}
 
-    def put_many(self, items: Mapping[str, bytes], ttl_s: float) -> int:
+    def put_many(self, items: Mapping[str, bytes], ttl_s: float, first_wins: bool = False) -> int:
         if not items:
             return 0
         now = time.time()
@@ -128,7 +132,7 @@ class DiskStore:
         try:
             db = self._db()
             with db:
-                db.executemany("INSERT OR REPLACE INTO entries VALUES (?, ?, ?, ?, ?)",
+                db.executemany(f"INSERT OR {'IGNORE' if first_wins else 'REPLACE'} INTO entries VALUES (?, ?, ?, ?, ?)",
                                [(k, v, len(k) + len(v), now, expires) for k, v in items.items()])
                 return self._evict(db)
         except sqlite3.Error as exc:

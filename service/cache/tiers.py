@@ -66,15 +66,23 @@ class EmbeddingCache:
         return found, True
 
     def put_many(self, items: Mapping[str, bytes]) -> bool:
-        """Written to memory and the shared store; False when the shared store did not take them."""
+        """Written to the shared store, entries first-wins (``Store.put_many``); False when it did not take
+        them. With a shared store, memory learns entries only by reading them back, so it holds the bits every
+        worker answers; without one, memory is the store."""
         if not items:
             return True
-        self._evicted(self.memory.name, self.memory.put_many(items))
+        found = {k: v for k, v in items.items() if k.startswith("e:")}
+        records = {k: v for k, v in items.items() if k not in found}
+        if self.shared is None:
+            self._evicted(self.memory.name, self.memory.put_many(found, first_wins=True))
+        self._evicted(self.memory.name, self.memory.put_many(records))
         metrics.CACHE_BYTES.set(self.memory.bytes)
         if self.shared is None:
             return True
         try:
-            self._evicted(self.shared.name, self._shared(self.shared.put_many, items, self.ttl_s))
+            for part, first in ((found, True), (records, False)):
+                if part:
+                    self._evicted(self.shared.name, self._shared(self.shared.put_many, part, self.ttl_s, first))
         except StoreDown as exc:
             self._failed(exc)
             return False
