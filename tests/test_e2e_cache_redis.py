@@ -78,13 +78,8 @@ def fleet(request: pytest.FixtureRequest, redis_server: RedisServer,
     # no memory tier: every lookup goes to Redis, so what is shown is Redis's doing (and its outage is felt)
     env = e2e_env(weights_file, image_host, GREENSERVE_TORCH_THREADS="1", GREENSERVE_CACHE=redis_server.url,
                   GREENSERVE_CACHE_TIMEOUT_MS="100", GREENSERVE_CACHE_MEMORY_MB="0")
-    fleet = Fleet(env, tmp_path_factory.mktemp("nginx-redis"))
-    try:
-        fleet.ensure_up()
-        fleet.nginx.start()
+    with Fleet(env, tmp_path_factory.mktemp("nginx-redis")).running() as fleet:
         yield fleet
-    finally:
-        fleet.stop()
 
 
 def embed(url: str, names: list[str]) -> requests.Response:

@@ -17,6 +17,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -117,6 +118,16 @@ class Fleet:
                 return text
             time.sleep(0.05)
 
+    @contextmanager
+    def running(self) -> Iterator[Fleet]:
+        """Both instances and nginx up for the block, everything stopped after it."""
+        try:
+            self.ensure_up()
+            self.nginx.start()
+            yield self
+        finally:
+            self.stop()
+
     def stop(self) -> None:
         self.nginx.stop()
         for srv in self.instances:
@@ -132,13 +143,8 @@ def module_fleet(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPa
     image_host: ImageHost = request.getfixturevalue("image_host")
     # two instances on one host share its cores: one torch thread each (cores // instances on 2 cores)
     env = e2e_env(weights_file, image_host, GREENSERVE_TORCH_THREADS="1")
-    fleet = Fleet(env, tmp_path_factory.mktemp("nginx"))
-    try:
-        fleet.ensure_up()
-        fleet.nginx.start()
+    with Fleet(env, tmp_path_factory.mktemp("nginx")).running() as fleet:
         yield fleet
-    finally:
-        fleet.stop()
 
 
 @pytest.fixture()

@@ -33,10 +33,6 @@ class EmbeddingCache:
         self._pool = ThreadPool(threads)
         self._blocking = isinstance(shared, DiskStore)
 
-    @property
-    def name(self) -> str:
-        return self.shared.name if self.shared else self.memory.name
-
     def digest(self, data: bytes) -> str:
         """The content id of ``data``, hashed where it does not hold the hub up."""
         if len(data) <= HASH_ON_HUB_BYTES:
@@ -46,8 +42,8 @@ class EmbeddingCache:
     def digest_many(self, datas: Sequence[bytes]) -> list[str]:
         """Content ids of an album's uploads, hashed together in one thread call."""
         if sum(len(d) for d in datas) <= HASH_ON_HUB_BYTES:
-            return [content_id(d) for d in datas]
-        return self._in_thread(_digests, list(datas))
+            return _digests(datas)
+        return self._in_thread(_digests, datas)
 
     def get_many(self, keys: Sequence[str]) -> tuple[dict[str, bytes], bool]:
         """The values found (memory first, then the shared store in one call), and whether every store
@@ -71,16 +67,16 @@ class EmbeddingCache:
         worker answers; without one, memory is the store."""
         if not items:
             return True
-        found = {k: v for k, v in items.items() if k.startswith("e:")}
-        records = {k: v for k, v in items.items() if k not in found}
+        outputs = {k: v for k, v in items.items() if k.startswith("e:")}
+        records = {k: v for k, v in items.items() if k not in outputs}
         if self.shared is None:
-            self._evicted(self.memory.name, self.memory.put_many(found, first_wins=True))
+            self._evicted(self.memory.name, self.memory.put_many(outputs, first_wins=True))
         self._evicted(self.memory.name, self.memory.put_many(records))
         metrics.CACHE_BYTES.set(self.memory.bytes)
         if self.shared is None:
             return True
         try:
-            for part, first in ((found, True), (records, False)):
+            for part, first in ((outputs, True), (records, False)):
                 if part:
                     self._evicted(self.shared.name, self._shared(self.shared.put_many, part, self.ttl_s, first))
         except StoreDown as exc:
@@ -88,9 +84,6 @@ class EmbeddingCache:
             return False
         metrics.CACHE_WRITTEN_BYTES.labels(self.shared.name).inc(sum(len(k) + len(v) for k, v in items.items()))
         return True
-
-    def stats(self) -> dict[str, Any]:
-        return {"memory": self.memory.stats(), "shared": self.shared.stats() if self.shared else None}
 
     def _shared(self, fn: Callable[..., T], *args: Any) -> T:
         return self._in_thread(fn, *args) if self._blocking else fn(*args)
@@ -109,7 +102,7 @@ class EmbeddingCache:
             metrics.CACHE_EVICTIONS.labels(store).inc(n)
 
 
-def _digests(datas: list[bytes]) -> list[str]:
+def _digests(datas: Sequence[bytes]) -> list[str]:
     return [content_id(d) for d in datas]
 
 

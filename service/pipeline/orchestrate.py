@@ -128,7 +128,7 @@ class Orchestrator:
                  cache: EmbeddingCache | None = None) -> None:
         self.runner = runner
         self.cache = cache
-        self._model_ids: dict[int, str] = {}  # by id(ModelInfo): one digest per loaded model
+        self._model_id: tuple[ModelInfo, str] | None = None  # the loaded model's cache id, computed once
         self.fetcher = fetcher
         self.texts = texts
         self.max_pixels = max_pixels
@@ -210,9 +210,9 @@ class Orchestrator:
     def _recall(self, info: ModelInfo, tally: CacheTally | None) -> Recall | None:
         if self.cache is None:
             return None
-        if id(info) not in self._model_ids:
-            self._model_ids = {id(info): model_id(info)}
-        return Recall(self.cache, self._model_ids[id(info)], tally or CacheTally())
+        if self._model_id is None or self._model_id[0] is not info:
+            self._model_id = (info, model_id(info))
+        return Recall(self.cache, self._model_id[1], tally or CacheTally())
 
     def _process(self, req: InferenceRequest, work: _Work, request_id: str) -> None:
         group = gevent.pool.Group()

@@ -104,15 +104,16 @@ class Recall:
 
     def recall(self, index: int, url: str | None, got: Fetched | bytes) -> Outputs | None:
         """The outputs already known for image ``index``, or None: decode and infer it, then ``keep``."""
+        directives = _directives(got.cache_control) if isinstance(got, Fetched) else {}
         if isinstance(got, Fetched):
             if url is not None and got.data is None:  # 304: the record asked with still holds
                 record = self._records[url]
                 metrics.CACHE_REVALIDATIONS.labels("not_modified").inc()
-                if "no-store" not in _directives(got.cache_control):
-                    self._remember(url, record.content, got)
+                if "no-store" not in directives:
+                    self._remember(url, record.content, got, directives)
                 self._count(fresh=False, revalidated=True)
                 return self._found[record.content]  # (a 304 has no body to embed: the entry answers)
-            if "no-store" in _directives(got.cache_control):
+            if "no-store" in directives:
                 self._unkept.add(index)
                 self._bypass()
                 return None
@@ -130,7 +131,7 @@ class Recall:
         if content not in self._found:
             self._lookup({content})
         if url is not None and isinstance(got, Fetched):
-            self._remember(url, content, got)
+            self._remember(url, content, got, directives)
         return self._counted(self._found.get(content))
 
     def keep(self, index: int, outputs: Outputs) -> None:
@@ -146,8 +147,7 @@ class Recall:
             self.tally.stored = self.cache.put_many(self._pending) and any(k.startswith("e:") for k in self._pending)
             self._pending = {}
 
-    def _remember(self, url: str, content: str, got: Fetched) -> None:
-        directives = _directives(got.cache_control)
+    def _remember(self, url: str, content: str, got: Fetched, directives: Mapping[str, Any]) -> None:
         max_age = 0.0 if "no-cache" in directives else _seconds(directives.get("max-age"))
         if not (got.validators.etag or got.validators.last_modified or max_age):
             return  # nothing to ask again with: the next fetch downloads, and its content finds the entry
