@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import subprocess
 import threading
 import time
 from pathlib import Path
@@ -135,3 +136,38 @@ def test_a_stop_soon_after_a_reload_drains_at_once(weights_file: Path, image_hos
     finally:
         srv.stop()
     assert took < 10, f"the stop took {took:.1f}s: the workers waited to hand over"
+
+
+ABORT = ("terminate called", "SIGABRT", "core dumped")
+
+
+def stop_at(srv: GunicornServer, sig: signal.Signals, *, when: str) -> str:
+    """Start ``srv``, send its master ``sig`` at ``when`` (``boot``: while the workers import and load the
+    model; ``idle``: ready, no request; ``served``: after a request) and return its whole log."""
+    if when == "boot":
+        with open(srv.log_path, "wb") as log:
+            srv.proc = subprocess.Popen(srv.command(), cwd=srv.cwd, env=srv.env, stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 30
+        while srv.log().count("Booting worker") < srv.workers and time.monotonic() < deadline:
+            time.sleep(0.02)
+        time.sleep(1.0)  # the app is being built: the model's load is queued or in its thread
+    else:
+        srv.start()
+        if when == "served":
+            r = requests.post(srv.url + "/v1/embeddings", json={"images": ["img000.jpg", "img001.jpg"]}, timeout=60)
+            assert r.status_code == 200, r.text
+    assert srv.proc is not None
+    srv.proc.send_signal(sig)
+    assert srv.proc.wait(60) == 0
+    return srv.log()
+
+
+@pytest.mark.parametrize(("sig", "when"), [(signal.SIGTERM, "boot"), (signal.SIGINT, "boot"),
+                                           (signal.SIGTERM, "served"), (signal.SIGINT, "idle")])
+def test_no_worker_aborts_at_exit(weights_file: Path, image_host: ImageHost, sig: signal.Signals, when: str) -> None:
+    """A stop while the model loads used to abort every worker ("terminate called without an active
+    exception", SIGABRT): the interpreter finalized while the load ran in a daemon thread."""
+    log = stop_at(GunicornServer(e2e_env(weights_file, image_host), workers=2), sig, when=when)
+    aborts = [line for line in log.splitlines() if any(a in line for a in ABORT)]
+    assert not aborts, "\n".join(aborts)
+    assert log.count("Booting worker") >= 2  # the workers were there to be stopped

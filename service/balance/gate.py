@@ -51,13 +51,15 @@ class Listener(Protocol):
 
 
 class Readiness(Protocol):
-    """What the gate reads of the engine (``Runner``)."""
+    """What the gate reads of the engine (``Runner``), and how the worker ends it at exit."""
 
     @property
     def ready(self) -> bool: ...
 
     @property
     def load_error(self) -> BaseException | None: ...
+
+    def close(self, timeout_s: float) -> bool: ...
 
 
 @dataclass(frozen=True)
@@ -115,6 +117,12 @@ class Balance:
         """Shutting down (SIGTERM/SIGINT/HUP): accept nothing more, at once."""
         self._closing = True
         self.apply()
+
+    def close_engine(self, timeout_s: float) -> bool:
+        """At the worker's exit, after the last request: end the engine's threads (``Runner.close``). False:
+        one was still running model code after ``timeout_s``."""
+        self.stop()
+        return self._readiness is None or self._readiness.close(timeout_s)
 
     def hand_over(self) -> None:
         """Stopping after a reload: serve on, behind any ready worker (``HANDOVER``), until ``replaced``."""

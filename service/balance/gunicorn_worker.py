@@ -13,11 +13,15 @@ A master that dies (``kill -9``) is a graceful stop too: the kernel sends the wo
 (``PR_SET_PDEATHSIG``), and where gunicorn's gevent worker would ``sys.exit`` at its next heartbeat and cut
 every request in flight, this one stops accepting, finishes what it holds within the graceful timeout and
 exits.
+
+However it stops, the worker ends the model's native threads before the interpreter finalizes (a stop
+during the model's load used to abort every worker: ``Runner.close`` says why).
 """
 
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 import signal
 import sys
@@ -35,6 +39,9 @@ from service.settings import Settings
 
 _current: Balance | None = None
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
+# At exit, how long a model load or forward still running may take before the worker exits without
+# finalizing. Nobody waits for its result by then; this only lets the interpreter finish cleanly.
+ENGINE_STOP_S = 2.0
 
 
 def worker_balance() -> Balance | None:
@@ -110,7 +117,22 @@ class GreenserveWorker(ggevent.GeventWorker):  # type: ignore[misc]  # nor gunic
             return server
 
         ggevent.StreamServer = listener
-        return super().run()
+        try:
+            return super().run()
+        finally:  # drained, stopped by a signal (SIGINT's SystemExit too), or the master gone
+            self._end_engine()
+
+    def _end_engine(self) -> None:
+        """End the model's threads before the interpreter finalizes; if a model load or forward (a gone
+        client's, say) is still running after ``ENGINE_STOP_S``, exit without finalizing, which would abort
+        the process (``Runner.close`` says why)."""
+        if self.balance.close_engine(ENGINE_STOP_S):
+            return
+        self.log.info("worker %s exits with the model still busy (a load or a forward nobody waits for)", self.pid)
+        logging.shutdown()
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+        os._exit(0)
 
     def stop_listening(self) -> None:
         """Accept nothing more, at once: the gate shut and this worker's listening sockets closed (once every

@@ -87,6 +87,7 @@ class Runner:
         self.model: Model | None = model
         self.load_error: BaseException | None = None
         self._ready = Event()
+        self._loading: gevent.Greenlet | None = None
         if model is not None:
             self._ready.set()
 
@@ -97,7 +98,7 @@ class Runner:
         self.batcher.start()
         self.text_batcher.start()
         if self.model is None and self._loader is not None:
-            gevent.spawn(self._load)
+            self._loading = gevent.spawn(self._load)
 
     def _load(self) -> None:
         try:
@@ -119,6 +120,24 @@ class Runner:
         model = self._loader()
         model.warm_up()
         return model
+
+    def close(self, timeout_s: float) -> bool:
+        """At the worker's exit: batch nothing more and end the native threads, waiting up to ``timeout_s``
+        for a model load or forward in progress. False: one is still in torch, and the process must exit
+        without the interpreter's finalization. Finalization ends a daemon thread that takes the GIL back
+        with ``pthread_exit``, whose unwinding through torch's GIL-release destructor (noexcept) is
+        ``std::terminate``: "terminate called without an active exception" and SIGABRT (pytorch#38228)."""
+        self.batcher.stop()
+        self.text_batcher.stop()
+        if self._loading is not None:
+            self._loading.kill()  # a load not begun never starts; one in its thread goes on (waited for below)
+        pools = (self._infer_pool, self._decode_pool)
+        with gevent.Timeout(timeout_s, False):
+            while any(pool.size or len(pool) for pool in pools):  # again if a greenlet queued more meanwhile
+                for pool in pools:
+                    pool.kill()  # each thread ends after its task; waits for them
+            return True
+        return False
 
     @property
     def ready(self) -> bool:
