@@ -11,6 +11,8 @@ photos from a local image host, all on 127.0.0.1:
 - mixed:   8 12-MP photos and 2 URLs on a closed port, partial=false: seconds to the 422 (5 tries)
 - gone:    a 40-photo request whose client leaves after 0.5 s: images through the model afterwards
 - respawn: kill -9 of a worker under keep-alive load: the split of requests 10-13 s after its respawn
+- exits:   50 start/stop cycles (SIGTERM or SIGINT at boot, idle, after a request) and 20 HUPs under a light
+           load: workers that aborted (not in the default list: about 12 minutes)
 
 ``--root`` runs another checkout's server (an earlier commit) with this harness, for before/after.
 Prints the command, the machine and a table; writes bench/out/faults.json.
@@ -106,6 +108,53 @@ def hup(srv: GunicornServer, names: list[str]) -> dict[str, Any]:
             "p50_s": s["p50_s"], "new_workers_serving_after_s": round(switched, 1) if switched else None}
 
 
+ABORTED = ("terminate called", "core dumped")  # one line per aborted worker (the master's "SIGABRT!" is another)
+STOPS = [(signal.SIGTERM, "boot"), (signal.SIGINT, "boot"), (signal.SIGTERM, "served"), (signal.SIGINT, "idle")]
+
+
+def aborts(log: str) -> int:
+    return sum(any(a in line for a in ABORTED) for line in log.splitlines())
+
+
+def exits(env: dict[str, str], root: Path, cycles: int = 50, hups: int = 20) -> dict[str, Any]:
+    """Start/stop cycles (SIGTERM or SIGINT while the workers boot, when idle, after a request) and HUPs
+    under a light load: workers that aborted ("terminate called without an active exception", SIGABRT)."""
+    by_stop: dict[str, int] = {}
+    for i in range(cycles):
+        sig, when = STOPS[i % len(STOPS)]
+        srv = GunicornServer(env, cache="off", workers=2, cwd=root)
+        if when == "boot":
+            srv.spawn()
+            started = time.monotonic()
+            while srv.log().count("Booting worker") < 2 and time.monotonic() - started < 30:
+                time.sleep(0.02)
+            time.sleep(0.5 + 2.0 * (i % 5) / 4)  # 0.5-2.5 s: import, the load in its thread, the warm-up
+        else:
+            srv.start()
+            if when == "served":
+                requests.post(srv.url + "/v1/embeddings", json={"images": ["p00.jpg", "p01.jpg"]}, timeout=60)
+        assert srv.proc is not None
+        srv.proc.send_signal(sig)
+        srv.proc.wait(60)
+        key = f"{sig.name} {when}"
+        by_stop[key] = by_stop.get(key, 0) + aborts(srv.log())
+    with GunicornServer(env, cache="off", workers=2, cwd=root) as srv, \
+            Load(srv.url, 1, {"images": ["p00.jpg"]}, duration_s=hups * 30) as load:
+        assert srv.proc is not None
+        for _ in range(hups):
+            ready = srv.log().count("model ready:")
+            os.kill(srv.proc.pid, signal.SIGHUP)
+            deadline = time.monotonic() + 30
+            while srv.log().count("model ready:") < ready + 2 and time.monotonic() < deadline:
+                time.sleep(0.1)
+            time.sleep(2.0)  # the old workers hand over and exit
+        load.stop()
+        hup_aborts = aborts(srv.log())
+    s = load_summary(load.done)
+    return {"cycles": cycles, "aborts_by_stop": by_stop, "hups": hups, "hup_aborts": hup_aborts,
+            "hup_requests": s["requests"], "hup_failed": s["failed"]}
+
+
 def mixed(srv: GunicornServer) -> dict[str, Any]:
     closed = f"http://127.0.0.1:{free_port()}/gone.jpg"
     times = []
@@ -153,7 +202,8 @@ def respawn(srv: GunicornServer, names: list[str]) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--root", type=Path, default=ROOT, help="checkout whose server runs (default: this one)")
-    parser.add_argument("--only", nargs="+",
+    parser.add_argument("--only", nargs="+", choices=["steady", "flood", "loris", "hup", "mixed", "gone", "respawn",
+                                                      "exits"],
                         default=["steady", "flood", "loris", "hup", "mixed", "gone", "respawn"])
     parser.add_argument("--out", type=Path, default=OUT / "faults.json")
     args = parser.parse_args(argv)
@@ -170,6 +220,10 @@ def main(argv: list[str] | None = None) -> int:
         env = {"GREENSERVE_MODEL": MODEL, "GREENSERVE_WEIGHTS": str(weights), "GREENSERVE_LOG_LEVEL": "info",
                "GREENSERVE_IMAGE_BASE_URL": host.base_url, "GREENSERVE_FETCH_ALLOW": "127.0.0.1/32"}
         for section in args.only:
+            if section == "exits":
+                doc[section] = exits(env, args.root)
+                print(f"\n## {section}\n{json.dumps(doc[section])}", flush=True)
+                continue
             with GunicornServer(env, cache="off", workers=2, cwd=args.root) as srv:
                 if section == "steady":
                     doc[section] = under(srv, names, contextlib.nullcontext(), 6.0)

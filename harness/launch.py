@@ -52,10 +52,16 @@ class ServerProcess:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def start(self) -> ServerProcess:
+    def spawn(self) -> ServerProcess:
+        """Start the process and return at once (``start`` waits until it is ready)."""
         with open(self.log_path, "wb") as log:  # the child keeps its own copy of the descriptor
             self.proc = subprocess.Popen(self.command(), cwd=self.cwd, env=self.env, stdout=log,
                                          stderr=subprocess.STDOUT)
+        return self
+
+    def start(self) -> ServerProcess:
+        self.spawn()
+        assert self.proc is not None
         deadline = time.monotonic() + self.ready_timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

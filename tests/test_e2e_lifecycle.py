@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import signal
 import socket
-import subprocess
 import threading
 import time
 from pathlib import Path
@@ -145,8 +144,7 @@ def stop_at(srv: GunicornServer, sig: signal.Signals, *, when: str) -> str:
     """Start ``srv``, send its master ``sig`` at ``when`` (``boot``: while the workers import and load the
     model; ``idle``: ready, no request; ``served``: after a request) and return its whole log."""
     if when == "boot":
-        with open(srv.log_path, "wb") as log:
-            srv.proc = subprocess.Popen(srv.command(), cwd=srv.cwd, env=srv.env, stdout=log, stderr=subprocess.STDOUT)
+        srv.spawn()
         deadline = time.monotonic() + 30
         while srv.log().count("Booting worker") < srv.workers and time.monotonic() < deadline:
             time.sleep(0.02)
