@@ -14,6 +14,7 @@ from gunicorn import systemd
 
 from service import logs
 from service.balance.board import LoadBoard, Seat
+from service.balance.memo import SharedMemo
 from service.settings import Settings
 
 _settings = Settings.from_env()  # bad values stop the master at start-up, naming the variable
@@ -58,12 +59,14 @@ control_socket_disable = True
 
 
 def on_starting(server):
-    """Before any fork: a fresh prometheus multiprocess directory and the shared load board. A stop clears
+    """Before any fork: a fresh prometheus multiprocess directory, the shared load board and the memo of
+    measured choices that replacements after a HUP or a respawn read (``service.balance.memo``). A stop clears
     the board's reload stamp before the master signals its workers: stopped within a reload's graceful
     timeout, they must drain at once, not wait to hand over to replacements that will never come. gunicorn
     has no hook before it signals, hence the wrapper."""
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="greenserve-metrics-")
     server.greenserve_board = board = LoadBoard()
+    server.greenserve_memo = SharedMemo()
     stop = server.stop
 
     def stopping(graceful=True):
@@ -81,7 +84,7 @@ def on_reload(server):
 
 def pre_fork(server, worker):
     """Give the worker-to-be a seat on the load board (its slot is also its ordinal for GPU spreading)."""
-    worker.greenserve_seat = Seat(server.greenserve_board, server.greenserve_board.claim())
+    worker.greenserve_seat = Seat(server.greenserve_board, server.greenserve_board.claim(), server.greenserve_memo)
 
 
 def child_exit(server, worker):

@@ -47,7 +47,8 @@ def create_app(settings: Settings | None = None, *, model: Model | None = None,
     if model is None:
         import_family(settings.model)  # in this thread, not the loader's (``import_family`` says why)
     runner = Runner(settings, model=model, siblings=balance,
-                    loader=None if model else functools.partial(load_for_worker, settings, balance.slot, device_decode))
+                    loader=None if model else functools.partial(load_for_worker, settings, balance.slot, device_decode,
+                                                                  balance.memo))
     texts = TextEncoder(runner, settings.label_cache_size)
     orchestrator = Orchestrator(runner, fetcher or HttpFetcher(settings), texts, max_pixels=settings.max_image_pixels,
                                 on_image_error=lambda err: metrics.IMAGE_ERRORS.labels(err.code).inc(),

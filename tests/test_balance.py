@@ -10,7 +10,7 @@ import gevent
 import gevent.event
 import gevent.pool
 
-from service.balance.board import HANDOVER, UNAVAILABLE, LoadBoard, Seat
+from service.balance.board import UNAVAILABLE, LoadBoard, Seat
 from service.balance.gate import ARRIVAL_WINDOW_S, BORROW_QUIET_S, Balance, Policy
 from service.balance.gunicorn_worker import GatedStreamServer
 
@@ -55,6 +55,7 @@ def pair(policy: Policy | None = None, engine: Engine | None = None) -> tuple[Ba
     listener = Listener()
     balance.add_listener(listener)
     board.publish(sibling, 0, 0)
+    board.publish_open(sibling, True)
     return balance, board, sibling, listener, clock
 
 
@@ -67,6 +68,19 @@ def test_a_worker_accepts_only_while_no_sibling_has_less_load() -> None:
         assert balance.may_accept() and listener.accepting  # asked at the accept: the sibling's load now
     board.publish(sibling, 3, 0)
     assert balance.may_accept()
+
+
+def test_a_worker_behind_its_sibling_accepts_while_the_sibling_does_not() -> None:
+    """In a burst both would close in turn, each behind the other, and connections would wait in the kernel
+    for a tick: the one behind stays open while its sibling is closed."""
+    balance, board, sibling, listener, _ = pair()
+    with balance.inference():
+        assert not listener.accepting  # behind a sibling that accepts
+        board.publish_open(sibling, False)
+        assert balance.may_accept() and listener.accepting
+        assert board.any_open(sibling)  # what the sibling sees: this worker accepts
+        board.publish_open(sibling, True)
+        assert not balance.may_accept() and not board.any_open(sibling)
 
 
 def test_a_new_connection_counts_as_load_only_for_the_arrival_window() -> None:
@@ -114,16 +128,32 @@ def test_closing_stops_accepting_at_once() -> None:
     assert listener.accepting is False and not balance.may_accept()
 
 
-def test_handing_over_serves_behind_a_ready_replacement_but_ahead_of_a_loading_one() -> None:
-    balance, board, sibling, listener, _ = pair()
+def test_old_workers_leave_one_per_ready_replacement_and_serve_meanwhile() -> None:
+    """Two workers wanted, a reload: two old ones (slots 0 and 1) and two new ones (2 and 3)."""
+    board = LoadBoard(slots=4)
+    old = [Balance(Seat(board, board.claim()), Policy(), clock=Clock()) for _ in range(2)]
+    for b in old:
+        b._readiness = Engine()
+        b.add_listener(Listener())
+        b.hand_over()
+    new = [board.claim(), board.claim()]  # loading: UNAVAILABLE
+    assert all(b.may_accept() for b in old)  # they serve on, as any worker does
+    assert not any(b.replaced(2) for b in old)
+    board.publish(new[0], 5, 0)  # one replacement ready (and busy): the lower slot may go, the other stays
+    assert old[0].replaced(2) and not old[1].replaced(2)
+    old[0].close()  # it drains: no longer serving
+    assert not old[1].replaced(2)
+    board.publish(new[1], 0, 0)  # the second replacement is ready
+    assert old[1].replaced(2)
+
+
+def test_a_lone_old_worker_is_replaced_by_one_ready_worker() -> None:
+    balance, board, sibling, _, _ = pair()
     balance.hand_over()
-    board.publish(sibling, UNAVAILABLE, 0)  # the replacement loads its model
-    assert balance.may_accept() and listener.accepting and not balance.replaced()
-    assert board.siblings(sibling)[0][0] >= HANDOVER  # what the replacement sees: an old worker, behind it
-    board.publish(sibling, HANDOVER + 2, 0)  # another old worker, handing over too, is no replacement
-    assert not balance.replaced()
-    board.publish(sibling, 3, 0)  # ready and busy: it comes first all the same
-    assert not balance.may_accept() and balance.replaced()
+    board.publish(sibling, UNAVAILABLE, 0)
+    assert not balance.replaced(1) and balance.may_accept()
+    board.publish(sibling, 3, 0)
+    assert balance.replaced(1)
 
 
 def test_idle_connections_past_the_cap_are_hung_up_oldest_first() -> None:

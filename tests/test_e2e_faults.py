@@ -74,6 +74,23 @@ def test_an_idle_flood_cannot_starve_clients_or_wedge_the_gate(faults_server: Gu
     assert worker_pid_answering(srv.url, 16) == srv.worker_pids(), "a worker stopped accepting after the flood"
 
 
+def test_a_probe_right_behind_a_burst_of_connections_is_answered_at_once(faults_server: GunicornServer) -> None:
+    """600 connections opened at once, then /healthz: its connection waits in the kernel until the workers
+    have accepted the burst. The accept gate made them close in turn (each one ahead of the other by an
+    arriving connection) and reopen at their next tick, so the burst trickled in and the probe took 2.0-2.5 s;
+    now one stays open while the other is closed (59-104 ms under load on 2 cores, ~20 ms idle)."""
+    srv = faults_server
+    firsts = []
+    for _ in range(3):
+        with IdleFlood(srv.port, 600) as flood:
+            assert flood.refused == 0
+            latencies, failed = probe(srv.url + "/healthz", 1, timeout_s=5)
+        assert failed == 0
+        firsts.append(latencies[0])
+        time.sleep(1.5)  # the arrival window passes: the next burst starts from equal loads
+    assert max(firsts) < 0.5, f"/healthz behind a 600-connection burst took {[round(f, 3) for f in firsts]} s"
+
+
 def test_a_reopening_slow_loris_cannot_starve_clients(faults_server: GunicornServer) -> None:
     srv = faults_server
     loris = SlowLoris(srv.port, 600, interval_s=0.5, duration_s=20)  # more than the old 2 x 256 slots

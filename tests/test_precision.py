@@ -11,6 +11,7 @@ import pytest
 import torch
 from torch import nn
 
+from service.balance.memo import SharedMemo
 from service.engine import precision
 from service.engine.casting import Numerics
 from service.engine.loading import load_model
@@ -117,6 +118,31 @@ def test_auto_with_native_bf16_keeps_the_cast_once_weights_when_they_agree_and_a
     card = model.info.public()["precision"]
     assert card["towers"]["image"]["numerics"] == "bfloat16 cast once"
     assert [t["numerics"] for t in card["towers"]["image"]["trials"]] == ["bfloat16 cast once", "bfloat16 autocast"]
+
+
+def test_a_trial_kept_in_the_memo_is_served_by_the_next_worker_without_timing() -> None:
+    """A replacement after a HUP reads the choice its predecessor measured; other weights or sizes time again."""
+    memo = SharedMemo()
+    first = precision.settle(fresh_resnet18(), "auto", flags=ZEN4, timer=FakeTimer(FAST_CAST), memo=memo)
+    timer = FakeTimer({"bfloat16 cast once": 2.0, "bfloat16 autocast": 3.0})  # it would choose float32
+    model = fresh_resnet18()
+    again = precision.settle(model, "auto", flags=ZEN4, timer=timer, memo=memo)
+    assert timer.calls == [] and model.dtype == torch.bfloat16
+    assert model.module.backbone.conv1.weight.dtype == torch.bfloat16  # really cast, as the first one was
+    image, was = again.tower("image"), first.tower("image")
+    assert image is not None and was is not None and image.numerics == was.numerics == "bfloat16 cast once"
+    assert image.reason == precision.REUSED + was.reason and image.sizes == was.sizes
+    precision.settle(fresh_resnet18(), "auto", flags=ZEN4, timer=timer, image_sizes=SMALL, memo=memo)
+    assert timer.calls  # other sizes: another key, timed
+
+
+def test_the_memo_reads_nothing_torn_or_under_another_key() -> None:
+    memo = SharedMemo(size=256)
+    assert memo.get("k") is None
+    assert memo.put("k", b"value") and memo.get("k") == b"value" and memo.get("other") is None
+    memo._buf[53] ^= 0xFF  # a torn write: the checksum no longer matches
+    assert memo.get("k") is None
+    assert not memo.put("k", b"x" * 300)  # too big: not kept
 
 
 def test_an_agreeing_but_slower_candidate_is_refused_with_both_timings() -> None:

@@ -6,13 +6,12 @@ from __future__ import annotations
 import multiprocessing
 from dataclasses import dataclass
 
+from service.balance.memo import SharedMemo
+
 SLOTS = 256  # more than any worker count; a dead worker's slot is reused by its replacement
 # The load a worker publishes while it must not be deferred to: its model is loading or failed, or it is
 # shutting down. Siblings then take the connections; borrowing counts it as busy.
 UNAVAILABLE = 1 << 30
-# What a worker adds to its load while it hands over to its replacements after a reload: it still serves, but
-# any ready worker of the new generation comes first, and a worker still loading (UNAVAILABLE) comes after.
-HANDOVER = 1 << 29
 
 
 class LoadBoard:
@@ -21,6 +20,8 @@ class LoadBoard:
         self._alive = multiprocessing.RawArray("b", slots)
         self._load = multiprocessing.RawArray("i", slots)
         self._kept = multiprocessing.RawArray("i", slots)
+        self._open = multiprocessing.RawArray("b", slots)  # the worker's listeners accept now
+        self._leaving = multiprocessing.RawArray("b", slots)  # an old worker handing over after a reload
         self._top = multiprocessing.RawValue("i", 0)  # slots in use are below this: reads scan only those
         # when a worker last started a request while a sibling had one (CLOCK_MONOTONIC: one clock per host)
         self._overlap_at = multiprocessing.RawValue("d", float("-inf"))
@@ -30,17 +31,41 @@ class LoadBoard:
         """Master, before fork: the first free slot, marked alive and unavailable until its model is ready."""
         for i in range(len(self._alive)):
             if not self._alive[i]:
-                self._alive[i], self._load[i], self._kept[i] = 1, UNAVAILABLE, 0
+                self._alive[i], self._load[i], self._kept[i], self._open[i], self._leaving[i] = 1, UNAVAILABLE, 0, 0, 0
                 self._top.value = max(self._top.value, i + 1)
                 return i
         raise RuntimeError(f"more than {len(self._alive)} live workers")
 
     def release(self, slot: int) -> None:
         """Master, when a worker exits."""
-        self._alive[slot], self._load[slot], self._kept[slot] = 0, 0, 0
+        self._alive[slot], self._load[slot], self._kept[slot], self._open[slot], self._leaving[slot] = 0, 0, 0, 0, 0
 
     def publish(self, slot: int, load: int, kept: int) -> None:
         self._load[slot], self._kept[slot] = load, kept
+
+    def publish_open(self, slot: int, accepting: bool) -> None:
+        self._open[slot] = accepting
+
+    def mark_leaving(self, slot: int) -> None:
+        self._leaving[slot] = 1
+
+    def generations(self, slot: int) -> tuple[int, int, int]:
+        """Among the other live workers that serve (not loading, failed or draining): (ready workers of the
+        new generation, old ones handing over, old ones handing over in a lower slot)."""
+        new = old = old_below = 0
+        for i in range(self._top.value):
+            if i == slot or not self._alive[i] or self._load[i] >= UNAVAILABLE:
+                continue
+            if self._leaving[i]:
+                old += 1
+                old_below += i < slot
+            else:
+                new += 1
+        return new, old, old_below
+
+    def any_open(self, slot: int) -> bool:
+        """Some other live worker's listeners accept now."""
+        return any(self._open[i] for i in range(self._top.value) if i != slot and self._alive[i])
 
     def mark_overlap(self, now: float) -> None:
         self._overlap_at.value = now
@@ -67,6 +92,7 @@ class Seat:
 
     board: LoadBoard
     slot: int
+    memo: SharedMemo | None = None  # what earlier workers of this master measured (``memo``)
 
     def release(self) -> None:
         self.board.release(self.slot)

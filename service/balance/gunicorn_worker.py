@@ -5,9 +5,9 @@ the master gave it, its listeners accept only while the balance says so, every c
 reported to the balance, and a shutdown signal stops accepting at once (gunicorn's loop notices it up to
 a second later, and served fresh connections meanwhile).
 
-A reload (HUP) hands over: the master's SIGTERM to an old worker leaves it serving, behind any ready worker,
-until one of its replacements is ready (``Balance.hand_over``), and only then does it stop accepting and
-drain. A stop (SIGTERM to the master) still stops accepting at once.
+A reload (HUP) hands over: the master's SIGTERM to an old worker leaves it serving until a replacement of
+its own is ready (the old ones leave one per ready new one, ``Balance.replaced``), and only then does it
+stop accepting and drain. A stop (SIGTERM to the master) still stops accepting at once.
 
 A master that dies (``kill -9``) is a graceful stop too: the kernel sends the worker SIGTERM at once
 (``PR_SET_PDEATHSIG``), and where gunicorn's gevent worker would ``sys.exit`` at its next heartbeat and cut
@@ -174,13 +174,13 @@ class GreenserveWorker(ggevent.GeventWorker):  # type: ignore[misc]  # nor gunic
                 and time.monotonic() - seat.board.reload_at() < self.cfg.graceful_timeout)
 
     def _hand_over(self) -> None:
-        """Serve on (behind any ready sibling) until a replacement serves, then stop as on any SIGTERM. Old
+        """Serve on until a replacement of its own serves, then stop as on any SIGTERM. Old
         workers used to stop accepting at once, and requests waited for a new worker's model load (max
         latency 6.3 s against p50 2.2 s). Bounded by the graceful timeout, and by the master's death."""
         self.log.info("reload: worker %s serves until a replacement is ready", self.pid)
         self.balance.hand_over()
         until = time.monotonic() + self.cfg.graceful_timeout
-        while not self.balance.replaced() and time.monotonic() < until and self.ppid == os.getppid():
+        while not self.balance.replaced(self.cfg.workers) and time.monotonic() < until and self.ppid == os.getppid():
             gevent.sleep(0.05)
         self.stop_listening()
         self.alive = False

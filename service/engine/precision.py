@@ -16,17 +16,23 @@ class, and its time over the sizes is ``MIN_SPEEDUP`` x float32's or better; the
 else float32. A trial stops early once it can no longer be fast enough (``_hopeless``). A pinned value
 (float32, bfloat16, float16) is served as given, weights cast once, untried. Runs in the worker's inference
 thread, before warm-up.
+
+A trial's outcome is kept in the server's ``Memo`` under everything it depends on (the weights' digest, the
+hardware, the sizes, the settings, torch's version): a worker that replaces another after a HUP or a
+respawn serves what was measured at the server's start, on idle cores, instead of timing again on cores
+that serve a reload's load (~7 s of CPU each there, and two workers timed under load chose differently).
 """
 
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -43,6 +49,15 @@ CPU_BF16_FLAGS = ("amx_bf16", "avx512_bf16")
 
 # (tower, numerics, batch size, run the forward) -> (its outputs, seconds); tests inject the seconds
 Timer = Callable[[str, Numerics, int, Callable[[], Any]], tuple[Any, float]]
+REUSED = "as measured when this server started: "  # the reason's prefix for a choice read from the memo
+
+
+class Memo(Protocol):
+    """Where a server's workers keep what they measured (``service.balance.memo.SharedMemo``)."""
+
+    def get(self, key: str) -> bytes | None: ...
+
+    def put(self, key: str, value: bytes) -> bool: ...
 
 
 def wall_clock(tower: str, numerics: Numerics, size: int, run: Callable[[], Any]) -> tuple[Any, float]:
@@ -90,9 +105,10 @@ def candidate_for(device: torch.device, cpu_bf16: str = "auto",
 
 def settle(model: LoadedModel, requested: str, *, cpu_bf16: str = "auto", flags: frozenset[str] | None = None,
            image_sizes: tuple[int, ...] = (1, 8, 32), text_sizes: tuple[int, ...] = (1, 16, 64),
-           timer: Timer = wall_clock) -> Precision:
+           timer: Timer = wall_clock, memo: Memo | None = None) -> Precision:
     """Set each of ``model``'s towers' numerics from ``requested`` (``GREENSERVE_DTYPE``); log and record why.
-    ``image_sizes``/``text_sizes``: the batch sizes to time (``batch_sizes`` of the batchers' maxima)."""
+    ``image_sizes``/``text_sizes``: the batch sizes to time (``batch_sizes`` of the batchers' maxima);
+    ``memo``: where an earlier worker's trial is read from, and this one's kept."""
     candidate, hardware = candidate_for(model.device, cpu_bf16, flags)
     sizes = {"image": image_sizes, "text": text_sizes}
     if requested != "auto":
@@ -104,7 +120,14 @@ def settle(model: LoadedModel, requested: str, *, cpu_bf16: str = "auto", flags:
         choices = [_serve(model, tower, FLOAT32, why) for tower in model.towers]
         reason = why
     else:
-        choices = [_choose(model, tower, candidate, sizes[tower], timer) for tower in model.towers]
+        key = _trial_key(model, requested, cpu_bf16, hardware, sizes)
+        recalled = _recall(model, memo, key)
+        if recalled is not None:
+            choices = recalled
+        else:
+            choices = [_choose(model, tower, candidate, sizes[tower], timer) for tower in model.towers]
+            if memo is not None:
+                memo.put(key, json.dumps([[c.tower, c.numerics, c.reason, c.sizes] for c in choices]).encode())
         reason = f"{hardware}: " + "; ".join(f"{c.tower} tower {c.reason}" for c in choices)
     model.release_float32()
     precision = Precision(requested, dtype_name(model.dtype), hardware, reason, tuple(choices))
@@ -112,6 +135,29 @@ def settle(model: LoadedModel, requested: str, *, cpu_bf16: str = "auto", flags:
     log.info("serving in %s (GREENSERVE_DTYPE=%s): %s", ", ".join(f"{c.tower} {c.numerics}" for c in choices),
              requested, reason)
     return precision
+
+
+def _trial_key(model: LoadedModel, requested: str, cpu_bf16: str, hardware: str,
+               sizes: dict[str, tuple[int, ...]]) -> str:
+    info = model.info
+    return json.dumps({"model": [info.family, info.name, info.weights, info.weights_digest], "device": str(model.device),
+                       "requested": requested, "cpu_bf16": cpu_bf16, "hardware": hardware, "sizes": sizes,
+                       "towers": list(model.towers), "torch": torch.__version__}, sort_keys=True)
+
+
+def _recall(model: LoadedModel, memo: Memo | None, key: str) -> list[TowerChoice] | None:
+    """The towers' choices an earlier worker measured under ``key``, applied to ``model``; None if there are none."""
+    kept = memo.get(key) if memo is not None else None
+    if kept is None:
+        return None
+    by_name = {Numerics(dtype, cast).name: Numerics(dtype, cast)
+               for dtype in (torch.bfloat16, torch.float16) for cast in (True, False)} | {FLOAT32.name: FLOAT32}
+    try:
+        rows = [(tower, by_name[numerics], reason, tuple(sizes)) for tower, numerics, reason, sizes in json.loads(kept)]
+    except (ValueError, KeyError, TypeError):
+        return None
+    return [_serve(model, tower, numerics, reason if reason.startswith(REUSED) else REUSED + reason, sizes)
+            for tower, numerics, reason, sizes in rows]
 
 
 def _serve(model: LoadedModel, tower: str, numerics: Numerics, reason: str, sizes: tuple[int, ...] = (),
