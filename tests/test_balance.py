@@ -9,7 +9,9 @@ from dataclasses import dataclass
 import gevent
 import gevent.event
 import gevent.pool
+import pytest
 
+from service.balance import gate
 from service.balance.board import UNAVAILABLE, LoadBoard, Seat
 from service.balance.gate import ARRIVAL_WINDOW_S, BORROW_QUIET_S, Balance, Policy
 from service.balance.gunicorn_worker import GatedStreamServer
@@ -70,12 +72,39 @@ def test_a_worker_accepts_only_while_no_sibling_has_less_load() -> None:
     assert balance.may_accept()
 
 
-def test_a_worker_behind_its_sibling_accepts_while_the_sibling_does_not() -> None:
-    """In a burst both would close in turn, each behind the other, and connections would wait in the kernel
-    for a tick: the one behind stays open while its sibling is closed."""
+def test_a_worker_that_gets_ahead_rings_its_sibling_which_reopens_at_once(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """In a burst each worker closes once it is an arriving connection ahead. The one closed before looked
+    again only at its next tick, so the burst came in about a connection a tick, or (had the one ahead
+    stayed open) went nearly all to one worker."""
+    monkeypatch.setattr(gate, "TICK_S", 30.0)  # no tick comes to the rescue in this test
+    board = LoadBoard(slots=4)
+    a, b = (Balance(Seat(board, board.claim()), Policy(), clock=Clock()) for _ in range(2))
+    listeners = {}
+    for name, balance in (("a", a), ("b", b)):
+        listeners[name] = Listener()
+        balance.add_listener(listeners[name])
+        balance.start(Engine())
+    try:
+        gevent.sleep(0.01)
+        b.accepted(Conn())  # b ahead: it closes
+        assert not listeners["b"].accepting and listeners["a"].accepting
+        a.accepted(Conn())
+        a.accepted(Conn())  # now a is ahead: it rings b, and stays open while b is closed
+        assert listeners["a"].accepting
+        gevent.sleep(0.05)
+        assert listeners["b"].accepting, "b waited for its tick"
+        assert not a.may_accept()  # b accepts again: a, ahead, closes
+    finally:
+        a.stop()
+        b.stop()
+
+
+def test_a_worker_ahead_of_its_sibling_accepts_while_the_sibling_does_not() -> None:
+    """Both closed at once, a burst would wait in the kernel: the one ahead stays open meanwhile."""
     balance, board, sibling, listener, _ = pair()
     with balance.inference():
-        assert not listener.accepting  # behind a sibling that accepts
+        assert not listener.accepting  # ahead of a sibling that accepts
         board.publish_open(sibling, False)
         assert balance.may_accept() and listener.accepting
         assert board.any_open(sibling)  # what the sibling sees: this worker accepts

@@ -4,6 +4,7 @@ before forking. Torch-free and metric-free: the master imports it."""
 from __future__ import annotations
 
 import multiprocessing
+import os
 from dataclasses import dataclass
 
 from service.balance.memo import SharedMemo
@@ -18,6 +19,7 @@ class LoadBoard:
     def __init__(self, slots: int = SLOTS) -> None:
         # RawArray: anonymous shared memory, inherited by every forked worker; single-word writes only
         self._alive = multiprocessing.RawArray("b", slots)
+        self.name = os.urandom(6).hex()  # this master's board: its workers' doorbells are named for it
         self._load = multiprocessing.RawArray("i", slots)
         self._kept = multiprocessing.RawArray("i", slots)
         self._open = multiprocessing.RawArray("b", slots)  # the worker's listeners accept now
@@ -43,9 +45,6 @@ class LoadBoard:
     def publish(self, slot: int, load: int, kept: int) -> None:
         self._load[slot], self._kept[slot] = load, kept
 
-    def publish_open(self, slot: int, accepting: bool) -> None:
-        self._open[slot] = accepting
-
     def mark_leaving(self, slot: int) -> None:
         self._leaving[slot] = 1
 
@@ -63,9 +62,16 @@ class LoadBoard:
                 new += 1
         return new, old, old_below
 
+    def publish_open(self, slot: int, accepting: bool) -> None:
+        self._open[slot] = accepting
+
     def any_open(self, slot: int) -> bool:
         """Some other live worker's listeners accept now."""
-        return any(self._open[i] for i in range(self._top.value) if i != slot and self._alive[i])
+        return any(self._open[i] for i in self.others(slot))
+
+    def others(self, slot: int) -> list[int]:
+        """The slots of every other live worker."""
+        return [i for i in range(self._top.value) if i != slot and self._alive[i]]
 
     def mark_overlap(self, now: float) -> None:
         self._overlap_at.value = now

@@ -2,8 +2,9 @@
 
     accepts     a worker accepts only while it serves: its model is ready (or failed with no sibling to
                 take over, so ``/readyz`` can say why), it is not shutting down, and, with the accept gate
-                on, no sibling has less load; then the kernel hands new connections to that sibling. A
-                serving worker behind a sibling still accepts while no sibling does (``board.any_open``)
+                on, no sibling has less load; then the kernel hands new connections to that sibling. One
+                that gets ahead rings its siblings' doorbells (``doorbell``), and they look again at once;
+                it stays open while none of them accepts, so a burst never waits for a tick
     load        inference requests in progress, plus connections accepted in the last ``ARRIVAL_WINDOW_S``
                 that have not sent their first request (a burst spreads before its requests arrive, and an
                 idle flood stops counting after the window)
@@ -31,15 +32,13 @@ from typing import Any, Protocol
 import gevent
 
 from service.balance.board import UNAVAILABLE, Seat
+from service.balance.doorbell import Doorbell
 from service.balance.memo import SharedMemo
 from service.settings import Settings
 
 log = logging.getLogger(__name__)
 
 TICK_S = 0.02  # how often the decision is re-applied from the siblings' loads
-# ... while this worker does not accept: a burst of connections waits in the kernel for a worker to open
-# (600 at once: the first /healthz behind it took 59-104 ms with 20 ms ticks, 36-58 ms with 5 ms)
-TICK_CLOSED_S = 0.005
 # How long a new connection counts as load before its first request. A burst of connections then spreads
 # (8 connections that sent nothing for 0.3 s went 4/4); idle ones stop steering clients after it.
 ARRIVAL_WINDOW_S = 1.0
@@ -94,6 +93,9 @@ class Balance:
         self._closing = False
         self._accepting: bool | None = None
         self._ticker: gevent.Greenlet | None = None
+        self._bell: Doorbell | None = None  # from ``start``, on a board
+        self._was_ahead = False
+        self._answerer: gevent.Greenlet | None = None
 
     @property
     def memo(self) -> SharedMemo | None:
@@ -111,12 +113,18 @@ class Balance:
         """In the worker, once the app is built: follow ``readiness`` and keep the decision applied."""
         self._readiness = readiness
         if self._seat is not None and self._ticker is None:  # alone (no board) there is nothing to follow
+            self._bell = Doorbell(self._seat.board.name, self.slot)
             self._ticker = gevent.spawn(self._tick_forever)
+            self._answerer = gevent.spawn(self._answer_bell, self._bell)
 
     def stop(self) -> None:
-        if self._ticker is not None:
-            self._ticker.kill()
-            self._ticker = None
+        for greenlet in (self._ticker, self._answerer):
+            if greenlet is not None:
+                greenlet.kill()
+        self._ticker = self._answerer = None
+        if self._bell is not None:
+            self._bell.close()
+            self._bell = None
 
     def add_listener(self, listener: Listener) -> None:
         self._listeners.append(listener)
@@ -222,9 +230,14 @@ class Balance:
 
     def apply(self) -> bool:
         """Publish this worker's load, decide, and open or close the listeners (idempotent)."""
-        accepting = self._decide()
+        accepting, ahead = self._decide()
         if accepting != self._accepting:
             log.debug("accepting: %s (load %d)", accepting, self.load())
+        if ahead and not self._was_ahead and self._bell is not None:
+            # a sibling closed for being ahead of this worker is behind it now: it looks again at once
+            assert self._seat is not None
+            self._bell.ring(self._seat.board.others(self.slot))
+        self._was_ahead = ahead
         self._accepting = accepting
         if self._seat is not None:
             self._seat.board.publish_open(self.slot, accepting)
@@ -232,24 +245,22 @@ class Balance:
             listener.set_accepting(accepting)
         return accepting
 
-    def _decide(self) -> bool:
+    def _decide(self) -> tuple[bool, bool]:
+        """Whether to accept, and whether this worker is ahead of a sibling (serving, with the gate on)."""
         load = self.load()
         siblings = self._seat.board.siblings(self.slot) if self._seat else []
         if self._seat:
             self._seat.board.publish(self.slot, load, len(self._kept))
         if self._closing:
-            return False
+            return False, False
         least = min((sib_load for sib_load, _ in siblings), default=None)
         if not self._serving():
             # failed to load: take connections only when no sibling can, so /readyz tells why
-            return self._failed() and (least is None or least >= UNAVAILABLE)
-        if not self.policy.accept_gate or least is None or load <= least:
-            return True
-        # Behind a sibling: close, unless no sibling accepts now. A sibling reopens only at its next tick or
-        # event, so in a burst of connections (each one load while it arrives) the workers used to take
-        # turns closing, and the burst trickled in at about a connection a tick while probes waited in the
-        # kernel's queue behind it (a /healthz 2.0 s after a 600-connection flood).
-        return self._seat is not None and not self._seat.board.any_open(self.slot)
+            return self._failed() and (least is None or least >= UNAVAILABLE), False
+        if not self.policy.accept_gate or least is None or load <= least or self._seat is None:
+            return True, False
+        # ahead of a sibling: close, unless no sibling accepts now (it is closed, and its doorbell rung)
+        return not self._seat.board.any_open(self.slot), True
 
     def _serving(self) -> bool:
         return not self._closing and self._readiness is not None and self._readiness.ready
@@ -268,7 +279,12 @@ class Balance:
 
     def _tick_forever(self) -> None:
         while True:
-            gevent.sleep(TICK_S if self.apply() else TICK_CLOSED_S)
+            self.apply()
+            gevent.sleep(TICK_S)
+
+    def _answer_bell(self, bell: Doorbell) -> None:
+        while bell.wait():
+            self.apply()
 
 
 def _hang_up(conn: Any) -> None:
