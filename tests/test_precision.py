@@ -3,6 +3,8 @@ precision only when it agrees with float32, on real torch modules (one whose bfl
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -134,6 +136,25 @@ def test_a_trial_kept_in_the_memo_is_served_by_the_next_worker_without_timing() 
     assert image.reason == precision.REUSED + was.reason and image.sizes == was.sizes
     precision.settle(fresh_resnet18(), "auto", flags=ZEN4, timer=timer, image_sizes=SMALL, memo=memo)
     assert timer.calls  # other sizes: another key, timed
+
+
+def test_workers_starting_together_take_turns_and_the_second_reads_the_first_trial() -> None:
+    memo = SharedMemo()
+    timers = [FakeTimer(FAST_CAST), FakeTimer({"bfloat16 cast once": 2.0, "bfloat16 autocast": 3.0})]
+    models = [fresh_resnet18(), fresh_resnet18()]
+    chosen: list[precision.Precision] = []
+    with memo.exclusive(1.0):  # the first worker's turn is held: the other two wait for it
+        workers = [threading.Thread(target=lambda i=i: chosen.append(
+            precision.settle(models[i], "auto", flags=ZEN4, timer=timers[i], memo=memo))) for i in range(2)]
+        for w in workers:
+            w.start()
+        time.sleep(0.2)
+        assert not chosen  # both wait
+    for w in workers:
+        w.join(30)
+    assert len(chosen) == 2 and chosen[0].chosen == chosen[1].chosen
+    assert sum(bool(t.calls) for t in timers) == 1  # one trial, read by the other
+    assert sum(c.reason.count(precision.REUSED) for c in chosen) == 1
 
 
 def test_the_memo_reads_nothing_torn_or_under_another_key() -> None:

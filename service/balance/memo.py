@@ -5,13 +5,16 @@ reads what its predecessor measured instead of measuring again.
 The one user is the precision trial (``engine.precision``): timing float32 against bfloat16 at three batch
 sizes is ~2 s of CPU on an idle 2-core host and ~7 s while the old workers serve a reload's load, on the
 cores they serve on; two workers timed under that load also chose differently. An entry is one key and
-one value; a torn write (two workers at once) fails its checksum and reads as nothing.
+one value; a torn write fails its checksum and reads as nothing. Workers that would measure the same thing
+at once (the first start) take turns through ``exclusive``: the second reads what the first measured.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import multiprocessing
+from collections.abc import Iterator
 
 SIZE = 16384  # bytes: one entry, the key's digest, a length and a checksum included
 _HEAD = 32 + 4 + 16  # the key's sha256, the value's length, its blake2b-128
@@ -20,6 +23,18 @@ _HEAD = 32 + 4 + 16  # the key's sha256, the value's length, its blake2b-128
 class SharedMemo:
     def __init__(self, size: int = SIZE) -> None:
         self._buf = multiprocessing.RawArray("B", size)
+        self._turn = multiprocessing.Lock()  # a POSIX semaphore, shared by the forked workers
+
+    @contextlib.contextmanager
+    def exclusive(self, timeout_s: float) -> Iterator[bool]:
+        """One worker at a time measures. Waits at most ``timeout_s`` (a worker killed while it held the turn
+        never gives it back); yields whether the turn was had."""
+        had = self._turn.acquire(timeout=timeout_s)
+        try:
+            yield had
+        finally:
+            if had:
+                self._turn.release()
 
     def get(self, key: str) -> bytes | None:
         """The value last put under ``key``, or None (another key, nothing yet, or a torn write)."""

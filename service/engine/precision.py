@@ -25,6 +25,7 @@ that serve a reload's load (~7 s of CPU each there, and two workers timed under 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import logging
@@ -50,6 +51,7 @@ CPU_BF16_FLAGS = ("amx_bf16", "avx512_bf16")
 # (tower, numerics, batch size, run the forward) -> (its outputs, seconds); tests inject the seconds
 Timer = Callable[[str, Numerics, int, Callable[[], Any]], tuple[Any, float]]
 REUSED = "as measured when this server started: "  # the reason's prefix for a choice read from the memo
+TRIAL_TURN_S = 120.0  # the longest a worker waits for a sibling's trial before it times its own
 
 
 class Memo(Protocol):
@@ -58,6 +60,8 @@ class Memo(Protocol):
     def get(self, key: str) -> bytes | None: ...
 
     def put(self, key: str, value: bytes) -> bool: ...
+
+    def exclusive(self, timeout_s: float) -> contextlib.AbstractContextManager[bool]: ...
 
 
 def wall_clock(tower: str, numerics: Numerics, size: int, run: Callable[[], Any]) -> tuple[Any, float]:
@@ -121,13 +125,16 @@ def settle(model: LoadedModel, requested: str, *, cpu_bf16: str = "auto", flags:
         reason = why
     else:
         key = _trial_key(model, requested, cpu_bf16, hardware, sizes)
-        recalled = _recall(model, memo, key)
-        if recalled is not None:
-            choices = recalled
-        else:
-            choices = [_choose(model, tower, candidate, sizes[tower], timer) for tower in model.towers]
-            if memo is not None:
-                memo.put(key, json.dumps([[c.tower, c.numerics, c.reason, c.sizes] for c in choices]).encode())
+        # one worker at a time: at the first start the second one reads what the first measured (two
+        # trials at once share the cores, time each other, and may choose differently)
+        with memo.exclusive(TRIAL_TURN_S) if memo is not None else contextlib.nullcontext():
+            recalled = _recall(model, memo, key)
+            if recalled is not None:
+                choices = recalled
+            else:
+                choices = [_choose(model, tower, candidate, sizes[tower], timer) for tower in model.towers]
+                if memo is not None:
+                    memo.put(key, json.dumps([[c.tower, c.numerics, c.reason, c.sizes] for c in choices]).encode())
         reason = f"{hardware}: " + "; ".join(f"{c.tower} tower {c.reason}" for c in choices)
     model.release_float32()
     precision = Precision(requested, dtype_name(model.dtype), hardware, reason, tuple(choices))
