@@ -13,6 +13,7 @@ import pytest
 
 from service.balance import gate
 from service.balance.board import UNAVAILABLE, LoadBoard, Seat
+from service.balance.doorbell import Doorbell
 from service.balance.gate import ARRIVAL_WINDOW_S, BORROW_QUIET_S, Balance, Policy
 from service.balance.gunicorn_worker import GatedStreamServer
 
@@ -325,3 +326,19 @@ def test_a_server_reopened_while_its_pool_is_still_full_accepts_once_a_slot_free
         assert len(held.handled) == 2
     finally:
         held.close()
+
+
+def test_a_doorbell_never_waits_to_ring_and_takes_every_waiting_ring_at_once() -> None:
+    a, b = Doorbell("test-bell", 0), Doorbell("test-bell", 1)
+    try:
+        def ring_many() -> bool:
+            for _ in range(5000):  # far more than its queue holds: a full doorbell is skipped, not waited for
+                a.ring([1, 2])  # slot 2 has no doorbell: skipped too
+            return True
+
+        assert gevent.with_timeout(2.0, ring_many, timeout_value=False), "a full doorbell was waited for"
+        assert gevent.with_timeout(1.0, b.wait) is True
+        assert gevent.with_timeout(0.1, b.wait, timeout_value="nothing more") == "nothing more"
+    finally:
+        a.close()
+        b.close()

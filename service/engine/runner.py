@@ -103,6 +103,8 @@ class Runner:
     def _load(self) -> None:
         try:
             self.model = self._infer_pool.apply(self._load_in_thread)
+        except gevent.GreenletExit:  # the worker is exiting (``close``): not a failed load
+            raise
         except BaseException as exc:  # logged loudly; /readyz stays 503 and says why
             self.load_error = exc
             log.critical("model failed to load: %s", exc, exc_info=True)
