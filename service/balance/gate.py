@@ -42,6 +42,9 @@ TICK_S = 0.02  # how often the decision is re-applied from the siblings' loads
 # How long a new connection counts as load before its first request. A burst of connections then spreads
 # (8 connections that sent nothing for 0.3 s went 4/4); idle ones stop steering clients after it.
 ARRIVAL_WINDOW_S = 1.0
+# A worker ahead of a closed sibling stays open while it is at most 1 ahead, or 1 per this many of its
+# arriving connections (``_decide``)
+ROOM_PER_ARRIVING = 8
 # After two workers last had requests at once, how long none borrows its siblings' cores: a sibling that
 # starts a forward during a borrowed one puts 3 torch threads on 2 cores, and libgomp's barriers stall both
 # (at 2 clients: p99 140-177 ms borrowing, 36-39 ms not). One client at a time keeps borrowing.
@@ -259,8 +262,12 @@ class Balance:
             return self._failed() and (least is None or least >= UNAVAILABLE), False
         if not self.policy.accept_gate or least is None or load <= least or self._seat is None:
             return True, False
-        # ahead of a sibling: close, unless no sibling accepts now (it is closed, and its doorbell rung)
-        return not self._seat.board.any_open(self.slot), True
+        # Ahead of a sibling: close, unless no sibling accepts now (it is closed, and its doorbell rung) and
+        # this worker is not too far ahead. How far grows with the burst: in a flood the kernel's queue must
+        # not wait for a sibling's wake-up, but 8 connections at once must still go about 4/4 (the sibling's
+        # wake-up takes longer than this worker's accepting them all: they went 6/2).
+        room = max(1, len(self._arriving) // ROOM_PER_ARRIVING)
+        return load - least <= room and not self._seat.board.any_open(self.slot), True
 
     def _serving(self) -> bool:
         return not self._closing and self._readiness is not None and self._readiness.ready
