@@ -78,7 +78,7 @@ def test_a_probe_right_behind_a_burst_of_connections_is_answered_at_once(faults_
     """600 connections opened at once, then /healthz: its connection waits in the kernel until the workers
     have accepted the burst. The accept gate made them close in turn (each one ahead of the other by an
     arriving connection) and reopen at their next tick, so the burst trickled in and the probe took 1.5-2.5 s;
-    now the one ahead rings the other's doorbell and stays open while it is closed (28-117 ms under load on
+    now the one ahead rings the other's doorbell and stays open while it is closed (48-98 ms under load on
     2 cores)."""
     srv = faults_server
     firsts = []
