@@ -4,7 +4,8 @@
                 take over, so ``/readyz`` can say why), it is not shutting down, and, with the accept gate
                 on, no sibling has less load; then the kernel hands new connections to that sibling. One
                 that gets ahead rings its siblings' doorbells (``doorbell``), and they look again at once;
-                it stays open while none of them accepts, so a burst never waits for a tick
+                it stays open while none of them accepts (up to a bound that grows with the burst), so a
+                burst does not wait in the kernel for a sibling's tick
     load        inference requests in progress, plus connections accepted in the last ``ARRIVAL_WINDOW_S``
                 that have not sent their first request (a burst spreads before its requests arrive, and an
                 idle flood stops counting after the window)
