@@ -19,7 +19,6 @@ class LoadBoard:
     def __init__(self, slots: int = SLOTS) -> None:
         # RawArray: anonymous shared memory, inherited by every forked worker; single-word writes only
         self._alive = multiprocessing.RawArray("b", slots)
-        self.name = os.urandom(6).hex()  # this master's board: its workers' doorbells are named for it
         self._load = multiprocessing.RawArray("i", slots)
         self._kept = multiprocessing.RawArray("i", slots)
         self._open = multiprocessing.RawArray("b", slots)  # the worker's listeners accept now
@@ -28,6 +27,7 @@ class LoadBoard:
         # when a worker last started a request while a sibling had one (CLOCK_MONOTONIC: one clock per host)
         self._overlap_at = multiprocessing.RawValue("d", float("-inf"))
         self._reload_at = multiprocessing.RawValue("d", float("-inf"))  # the master's last HUP (CLOCK_MONOTONIC)
+        self.name = os.urandom(6).hex()  # this master's board: its workers' doorbells are named for it
 
     def claim(self) -> int:
         """Master, before fork: the first free slot, marked alive and unavailable until its model is ready."""

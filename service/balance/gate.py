@@ -159,7 +159,8 @@ class Balance:
         if self._seat is None:
             return False
         new, old, old_below = self._seat.board.generations(self.slot)
-        return new >= workers - (old + 1) + old_below + 1
+        # once this one and those before it have left: the ready new ones plus the old ones after it
+        return new + old - old_below >= workers
 
     # ------------------------------------------------------------------ connections (the gunicorn worker)
 

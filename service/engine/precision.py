@@ -163,8 +163,7 @@ def _recall(model: LoadedModel, memo: Memo | None, key: str) -> list[TowerChoice
         rows = [(tower, by_name[numerics], reason, tuple(sizes)) for tower, numerics, reason, sizes in json.loads(kept)]
     except (ValueError, KeyError, TypeError):
         return None
-    return [_serve(model, tower, numerics, reason if reason.startswith(REUSED) else REUSED + reason, sizes)
-            for tower, numerics, reason, sizes in rows]
+    return [_serve(model, tower, numerics, REUSED + reason, sizes) for tower, numerics, reason, sizes in rows]
 
 
 def _serve(model: LoadedModel, tower: str, numerics: Numerics, reason: str, sizes: tuple[int, ...] = (),
