@@ -127,6 +127,15 @@ class GunicornServer(ServerProcess):
         if self.cache_dir:
             shutil.rmtree(self.cache_dir, ignore_errors=True)
 
+    def boot(self, within_s: float = 30.0) -> GunicornServer:
+        """Start, and return once every worker has forked: each is then importing the app and loading its
+        model (a stop now lands during the load)."""
+        self.spawn()
+        deadline = time.monotonic() + within_s
+        while self.log().count("Booting worker") < self.workers and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return self
+
     def worker_pids(self) -> set[int]:
         """PIDs of the master's live children (the workers)."""
         assert self.proc is not None

@@ -144,10 +144,7 @@ def stop_at(srv: GunicornServer, sig: signal.Signals, *, when: str) -> str:
     """Start ``srv``, send its master ``sig`` at ``when`` (``boot``: while the workers import and load the
     model; ``idle``: ready, no request; ``served``: after a request) and return its whole log."""
     if when == "boot":
-        srv.spawn()
-        deadline = time.monotonic() + 30
-        while srv.log().count("Booting worker") < srv.workers and time.monotonic() < deadline:
-            time.sleep(0.02)
+        srv.boot()
         time.sleep(1.0)  # the app is being built: the model's load is queued or in its thread
     else:
         srv.start()

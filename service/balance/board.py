@@ -89,7 +89,7 @@ class LoadBoard:
 
     def siblings(self, slot: int) -> list[tuple[int, int]]:
         """(load, kept connections) of every other live worker."""
-        return [(self._load[i], self._kept[i]) for i in range(self._top.value) if i != slot and self._alive[i]]
+        return [(self._load[i], self._kept[i]) for i in self.others(slot)]
 
 
 @dataclass(frozen=True)
