@@ -1,8 +1,9 @@
 """gunicorn settings for greenserve. Values come from GREENSERVE_* variables (see the README table).
 
-This file runs in the master: never import torch (or create metric objects) here; torch state does not
-survive fork. The hooks only prepare what workers share: the metrics directory and the load board
-(``service.balance``), on which each worker gets a seat.
+This file runs in the master. It imports the model's libraries before forking (``service.preimport``) but
+never runs torch (nor creates metric objects): threads and devices do not survive fork. The hooks prepare
+what workers share: the metrics directory and the load board (``service.balance``), on which each worker
+gets a seat.
 """
 
 import os
@@ -15,6 +16,7 @@ from gunicorn import systemd
 from service import logs
 from service.balance.board import LoadBoard, Seat
 from service.balance.memo import SharedMemo
+from service.preimport import preimport
 from service.settings import Settings
 
 _settings = Settings.from_env()  # bad values stop the master at start-up, naming the variable
@@ -74,6 +76,8 @@ def on_starting(server):
         stop(graceful)
 
     server.stop = stopping
+    # after GOMP_SPINCOUNT is set above: libgomp reads it when torch loads
+    server.log.info("imported the model's libraries in %.1fs, once for every worker", preimport(_settings.model))
 
 
 def on_reload(server):

@@ -62,6 +62,10 @@ class LoadBoard:
                 new += 1
         return new, old, old_below
 
+    def any_serving(self, slot: int) -> bool:
+        """Some other live worker serves (its model is ready, and it is not draining)."""
+        return any(self._load[i] < UNAVAILABLE for i in self.others(slot))
+
     def publish_open(self, slot: int, accepting: bool) -> None:
         self._open[slot] = accepting
 

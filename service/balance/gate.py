@@ -35,6 +35,7 @@ import gevent
 from service.balance.board import UNAVAILABLE, Seat
 from service.balance.doorbell import Doorbell
 from service.balance.memo import SharedMemo
+from service.balance.priority import BootPriority
 from service.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -84,8 +85,10 @@ class Policy:
 class Balance:
     """Made per worker from its ``Seat``; without one (unit tests, one process) it only counts."""
 
-    def __init__(self, seat: Seat | None, policy: Policy, *, clock: Any = time.monotonic) -> None:
+    def __init__(self, seat: Seat | None, policy: Policy, *, clock: Any = time.monotonic,
+                 boot: BootPriority | None = None) -> None:
         self._seat = seat
+        self._boot = boot  # lowered while this worker boots beside serving siblings (``priority``)
         self.policy = policy
         self._clock = clock
         self._readiness: Readiness | None = None
@@ -259,7 +262,10 @@ class Balance:
         if self._closing:
             return False, False
         least = min((sib_load for sib_load, _ in siblings), default=None)
-        if not self._serving():
+        serving = self._serving()
+        if serving and self._boot is not None and self._boot.lowered:
+            self._boot.restore()  # before the first connection: it serves at its normal priority
+        if not serving:
             # failed to load: take connections only when no sibling can, so /readyz tells why
             return self._failed() and (least is None or least >= UNAVAILABLE), False
         if not self.policy.accept_gate or least is None or load <= least or self._seat is None:

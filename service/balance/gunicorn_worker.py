@@ -35,6 +35,7 @@ from gunicorn.workers.base import Worker
 
 from service.balance.board import Seat
 from service.balance.gate import Balance, Policy
+from service.balance.priority import BootPriority
 from service.settings import Settings
 
 _current: Balance | None = None
@@ -95,7 +96,12 @@ class GreenserveWorker(ggevent.GeventWorker):  # type: ignore[misc]  # nor gunic
 
     def init_process(self) -> None:
         global _current
-        self.balance = _current = Balance(self.greenserve_seat, Policy.from_settings(Settings.from_env()))
+        seat = self.greenserve_seat
+        boot = BootPriority()
+        if seat is not None and seat.board.any_serving(seat.slot):
+            # a replacement (HUP, respawn): its siblings serve on these cores while it loads (``priority``)
+            boot.lower()
+        self.balance = _current = Balance(seat, Policy.from_settings(Settings.from_env()), boot=boot)
         _term_when_parent_dies()
         super().init_process()
 
@@ -107,7 +113,7 @@ class GreenserveWorker(ggevent.GeventWorker):  # type: ignore[misc]  # nor gunic
             self.stop_listening()
             self.alive = False
 
-    def run(self) -> Any:
+    def run(self) -> None:
         # GeventWorker.run builds its servers from the module's StreamServer name
         self.listeners: list[GatedStreamServer] = []
 
@@ -118,17 +124,29 @@ class GreenserveWorker(ggevent.GeventWorker):  # type: ignore[misc]  # nor gunic
 
         ggevent.StreamServer = listener
         try:
-            return super().run()
-        finally:  # drained, stopped by a signal (SIGINT's SystemExit too), or the master gone
+            super().run()
+        except SystemExit as stop:  # SIGINT
+            if stop.code not in (None, 0):
+                raise
+        finally:  # drained, stopped by a signal, or the master gone
             self._end_engine()
+        # Stopped cleanly: every request is answered and the cache written. Finalizing the interpreter
+        # would only collect torch's heap, 3-4 s of CPU taken from the workers that serve on (right after a
+        # HUP it slowed every request for as long). gunicorn's own worker_exit hook is not run: this
+        # project's config has none.
+        self._exit_now("Worker exiting (pid: %s)", self.pid)
 
     def _end_engine(self) -> None:
         """End the model's threads before the interpreter finalizes; if a model load or forward (a gone
         client's, say) is still running after ``ENGINE_STOP_S``, exit without finalizing, which would abort
         the process (``Runner.close`` says why)."""
-        if self.balance.close_engine(ENGINE_STOP_S):
-            return
-        self.log.info("worker %s exits with the model still busy (a load or a forward nobody waits for)", self.pid)
+        if not self.balance.close_engine(ENGINE_STOP_S):
+            self._exit_now("worker %s exits with the model still busy (a load or a forward nobody waits for)",
+                           self.pid)
+
+    def _exit_now(self, message: str, *args: Any) -> None:
+        """Log, flush the logs and exit with status 0 without finalizing the interpreter."""
+        self.log.info(message, *args)
         logging.shutdown()
         for stream in (sys.stdout, sys.stderr):
             stream.flush()
