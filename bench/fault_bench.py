@@ -104,8 +104,18 @@ def hup(srv: GunicornServer, names: list[str]) -> dict[str, Any]:
             time.sleep(0.2)
         time.sleep(3.0)
     s = load_summary(load.done)
+    # the same figure for the requests answered before the signal: what the load alone gives on this host
+    steady = load_summary([d for d in load.done if d.started + d.seconds < sent])
+    worst = max(load.done, key=lambda d: d.seconds)
     return {"requests": s["requests"], "failed": s["failed"], "failures": s["failures"], "max_s": s["max_s"],
-            "p50_s": s["p50_s"], "new_workers_serving_after_s": round(switched, 1) if switched else None}
+            "p50_s": s["p50_s"], "max_over_p50": _ratio(s["max_s"], s["p50_s"]),
+            "max_started_after_hup_s": round(worst.started - sent, 1),
+            "before_hup_max_over_p50": _ratio(steady["max_s"], steady["p50_s"]),
+            "new_workers_serving_after_s": round(switched, 1) if switched else None}
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return round(a / b, 2) if a and b else None
 
 
 ABORTED = ("terminate called", "core dumped")  # one line per aborted worker (the master's "SIGABRT!" is another)
