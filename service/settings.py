@@ -168,9 +168,12 @@ class Settings:
     max_caller_images: int = _setting(0, "images one caller may have admitted (queued or running) per worker "
                                       "before 429 + Retry-After; 0 = no cap of its own (callers are still "
                                       "interleaved)", parse="int", lo=0)
-    fair_quantum_ms: float = _setting(250.0, "while callers share a worker, a forward holds about this much work "
-                                      "(at least one image): another caller's image waits for one short "
-                                      "forward, not an album's", unit="ms", parse="float", lo=1, hi=60_000)
+    preempt_forwards: bool = _setting(True, "an image due before the rest of a running batch (another caller's) "
+                                      "runs between that forward's blocks instead of after it", parse="bool")
+    fair_quantum_ms: float = _setting(250.0, "while callers share a worker, a forward that cannot be interrupted "
+                                      "(GREENSERVE_PREEMPT_FORWARDS=false, a TorchScript model) holds about this "
+                                      "much work (at least one image): another caller's image waits for one "
+                                      "short forward, not an album's", unit="ms", parse="float", lo=1, hi=60_000)
     request_timeout_s: float = _setting(60.0, "request deadline (a per-request X-Request-Timeout header "
                                         "may shorten it)", unit="s", parse="float", lo=0.1, hi=3600)
     stream_heartbeat_s: float = _setting(15.0, "how often a text/event-stream answer sends a comment line while "

@@ -14,7 +14,8 @@ from gevent.threadpool import ThreadPool
 from torch import nn
 
 from service.app import create_app
-from service.engine.batcher import Batcher, Outputs, Row
+from service.engine.batcher import Batcher, Row
+from service.engine.forwarding import Outputs
 from service.engine.model import LoadedModel
 from service.engine.types import ModelInfo, Transform
 from service.errors import OutOfMemory

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import gevent
 import numpy as np
 import pytest
@@ -218,3 +220,63 @@ def test_a_batch_gathers_only_while_the_forward_runs_on_every_core() -> None:
     assert scheduler.gather() is Gather.BRIDGE_GAPS  # decode idle: bridge short gaps only
     with scheduler.decode_slot((1.0, 0)):
         assert scheduler.gather() is Gather.WHILE_DECODING
+
+
+def test_a_callers_first_image_takes_the_spare_decode_thread_while_another_caller_holds_them() -> None:
+    """Both decode threads busy with an album's photos: a one-photo caller's image decodes at once on the
+    spare thread, while the album's next image waits for one of its own."""
+    settings = Settings.from_env({"GREENSERVE_DECODE_THREADS": "2"})
+    runner = Runner(settings, model=FakeModel(), cores=2)
+    release = threading.Event()
+    done: list[str] = []
+
+    def decode(name: str, caller: str, rank: tuple[float, int], block: bool) -> None:
+        runner.offload(lambda: (release.wait(5) if block else None, done.append(name)), rank=rank, caller=caller)
+
+    with runner.admit(3, arrived=1.0, caller="album"), runner.admit(1, arrived=2.0, caller="search"):
+        busy = [gevent.spawn(decode, f"album {i}", "album", (1.0 + i, i), True) for i in range(2)]
+        gevent.sleep(0.05)
+        album_next = gevent.spawn(decode, "album 2", "album", (3.0, 2), False)
+        search = gevent.spawn(decode, "search 0", "search", (4.0, 0), False)
+        search.join(timeout=2)
+        assert done == ["search 0"] and not album_next.dead
+        release.set()
+        gevent.joinall([*busy, album_next], raise_error=True, timeout=2)
+        assert sorted(done[1:]) == ["album 0", "album 1", "album 2"]
+
+
+def test_a_callers_first_image_is_not_held_back_behind_another_callers_queued_images() -> None:
+    """The decode lookahead holds later images while the model has two earlier ones queued; a caller with
+    nothing of its own in the worker is not held (its image was tagged just after the album's two)."""
+    settings = Settings.from_env({"GREENSERVE_DECODE_THREADS": "2", "GREENSERVE_MAX_BATCH_WAIT_MS": "0"})
+    runner = Runner(settings, model=FakeModel(), cores=2)
+    pixels = np.zeros((32, 32, 3), np.uint8)
+    decoded: list[str] = []
+    with runner.admit(4, arrived=1.0, caller="album") as album, runner.admit(1, arrived=2.0, caller="search"):
+        rows = [runner.infer(pixels, None, album) for _ in range(2)]  # the batcher not started yet
+        held = gevent.spawn(runner.offload, decoded.append, "album 3", rank=(album.start + 3, 3), caller="album")
+        first = gevent.spawn(runner.offload, decoded.append, "search 0", rank=(album.start + 2.5, 0), caller="search")
+        first.join(timeout=2)
+        gevent.sleep(0.05)
+        assert decoded == ["search 0"] and not held.dead
+        runner.batcher.start()
+        try:
+            gevent.joinall([held, *rows], raise_error=True, timeout=2)
+        finally:
+            runner.batcher.stop()
+
+
+def test_a_callers_only_small_request_fetches_at_once_whatever_other_callers_have_on_their_way() -> None:
+    """Fetch pacing waits for images tagged before the request; a caller's only request, if small, does not
+    (here "search" is tagged 10 ahead of now, behind 10 of the album's images on their way)."""
+    scheduler = Scheduler(Settings.from_env({"GREENSERVE_FETCH_CONCURRENCY": "2"}), 2, AllCores())
+    with scheduler.admit(10, arrived=0.5, caller="search"):
+        pass  # its finish tag stays 10 ahead of now
+    with scheduler.admit(30, arrived=1.0, caller="album"):
+        with scheduler.admit(1, arrived=2.0, caller="search") as one, gevent.Timeout(1):
+            scheduler.wait_to_fetch(one)
+        with scheduler.admit(3, arrived=3.0, caller="search") as three:
+            waiter = gevent.spawn(scheduler.wait_to_fetch, three)  # more than fetch_concurrency: it paces
+            gevent.sleep(0.01)
+            assert not waiter.dead
+            waiter.kill()

@@ -9,12 +9,10 @@ passed while queued are dropped before they reach the model.
 
 from __future__ import annotations
 
-import heapq
-import itertools
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import gevent
@@ -22,28 +20,16 @@ import numpy as np
 from gevent.event import AsyncResult, Event
 from gevent.threadpool import ThreadPool
 
+from service.engine.fair_queue import Admission, FairQueue, Queued
+from service.engine.forwarding import Outcome, RunBatch, forward_stacked
+from service.engine.preemption import Preemption
 from service.engine.scheduling import Gather
-from service.errors import DeadlineExceeded, InferenceFailed, OutOfMemory
+from service.errors import DeadlineExceeded, InferenceFailed
 
 log = logging.getLogger(__name__)
 
-# Forward function: a stacked batch (uint8 (N, H, W, 3) crops, or (N, context) token ids) → (features or
-# None, logits or None) with row i for item i, or ``Outputs`` when some items got no row.
-RunBatch = Callable[[Any], "tuple[Any, Any] | Outputs"]
 GATHER_GAP_S = 0.05  # with decode idle, a gathering batch goes once no image has arrived for this long
 GATHER_MAX_S = 2.0  # a gathering batch goes after this long whatever comes (a bound, not a tuning)
-
-
-class Admission(Protocol):
-    """What the batcher reads of the request an image belongs to (``scheduling.Admission``)."""
-
-    @property
-    def upstream(self) -> int: ...  # the request's images still being fetched or decoded
-
-    @property
-    def cancelled(self) -> bool: ...  # the request ended: its images are not worth a forward
-
-    def first_at_once(self) -> bool: ...  # once, for a streamed request: its first batch goes with one image
 
 
 class BatchPolicy(Protocol):
@@ -69,27 +55,6 @@ class Row:
     batch_size: int
 
 
-@dataclass(frozen=True)
-class Outputs:
-    """A forward's rows (row i for item i) and the items that got none, each with its reason."""
-
-    features: np.ndarray | None
-    logits: np.ndarray | None
-    failed: dict[int, Exception] = field(default_factory=dict)
-
-
-# One item's outcome from the inference thread: its (features row, logits row), or why it has none
-_Outcome = tuple[np.ndarray | None, np.ndarray | None] | Exception
-
-
-@dataclass
-class _Item:
-    pixels: Any  # a crop (H, W, 3), token ids, or a JPEG for the device (``types.EncodedJpeg``)
-    deadline: float | None
-    admission: Admission | None = None
-    rank: tuple[float, int] = (0.0, 0)  # (the image's fair tag, its submission order)
-    result: AsyncResult = field(default_factory=AsyncResult)
-    enqueued: float = field(default_factory=time.monotonic)
 
 
 @dataclass
@@ -110,9 +75,16 @@ class BatchStats:
 
 class Batcher:
     def __init__(self, run_batch: RunBatch, pool: ThreadPool, *, max_batch: int, max_wait_s: float,
-                 across_requests: bool = True, policy: BatchPolicy | None = None) -> None:
+                 across_requests: bool = True, policy: BatchPolicy | None = None,
+                 preemption: Preemption | None = None) -> None:
         self._run_batch = run_batch
         self._pool = pool
+        # images due before the running batch's last one (another request's: a caller that just came) run
+        # between its blocks instead of after it (``preemption``)
+        self._preemption = preemption
+        self._running: list[Queued] | None = None
+        self._interject_left = 0
+        self._interjecting = False
         self.max_batch = max_batch
         self.max_wait_s = max_wait_s
         # False: a forward only holds images of one request (with max_wait_s=0: exactly the plain lock)
@@ -120,20 +92,18 @@ class Batcher:
         # None (unit tests): a non-full batch waits max_wait_s for more, and never gathers
         self._policy = policy
         self._last_submit = 0.0
-        # Images are served in their fair tags' order (``fairness.FairTags``), not the order their bytes
-        # did: concurrent requests' images arrive interleaved (fetches overlap), and serving them in that
-        # order would share the model between all requests (every one finishes near the end). A caller's
-        # requests are tagged one after the other, so its first request finishes first, as a FIFO queue
-        # would; another caller's images are tagged between them.
-        self._items: list[tuple[tuple[float, int], _Item]] = []
-        self._order = itertools.count()
+        self._queue = FairQueue()  # in fair order (``fair_queue``)
         self._arrived = Event()
         self._loop: gevent.Greenlet | None = None
         self.stats = BatchStats()
 
     def queued_before(self, tag: float) -> int:
         """Queued images tagged before ``tag``."""
-        return sum(1 for rank, _ in self._items if rank[0] < tag)
+        return self._queue.before(tag)
+
+    def queued_by(self, caller: str) -> int:
+        """Queued images of ``caller``'s requests."""
+        return self._queue.by(caller)
 
     def start(self) -> None:
         if self._loop is None:
@@ -148,11 +118,10 @@ class Batcher:
                tag: float | None = None) -> AsyncResult:
         """Queue one image of request ``admission`` with its fair ``tag`` (lower first; the time now if not
         given); ``.get()`` the result to wait for its ``Row``."""
-        rank = (time.monotonic() if tag is None else tag, next(self._order))
-        item = _Item(pixels, deadline, admission, rank)
-        heapq.heappush(self._items, (rank, item))
+        item = self._queue.push(pixels, deadline, admission, tag)
         self._last_submit = item.enqueued
         self._arrived.set()
+        self._interject_soon()
         return item.result
 
     def wake(self) -> None:
@@ -161,11 +130,8 @@ class Batcher:
 
     def cancel(self, admission: Admission) -> int:
         """Drop ``admission``'s queued images (a batch already running finishes); how many were dropped."""
-        kept = [entry for entry in self._items if entry[1].admission is not admission]
-        dropped = len(self._items) - len(kept)
+        dropped = self._queue.drop(admission)
         if dropped:
-            heapq.heapify(kept)
-            self._items = kept
             log.debug("dropped %d queued image(s) of a cancelled request", dropped)
         return dropped
 
@@ -176,25 +142,32 @@ class Batcher:
             if live:
                 self._run(live)
 
-    def _collect(self) -> list[_Item]:
-        while not self._items:
+    def _collect(self) -> list[Queued]:
+        while not (head := self._queue.pop()):
             self._arrived.clear()
             self._arrived.wait()
-        first = self._take(heapq.heappop(self._items)[1])
+        first = self._take(head)
         batch = [first]
         if first.admission is not None and first.admission.first_at_once():
             return batch  # a streamed request's first row, as soon as its image is here
-        shared = self._policy.batch_cap(self.stats.seconds_per_image) if self._policy else None
+        # while callers share the worker, a forward that cannot be interrupted holds one quantum of images;
+        # one that can (``preemption``) stays the size that runs fastest
+        preemptible = self._preemption is not None and self._preemption.points > 0
+        shared = self._policy.batch_cap(self.stats.seconds_per_image) if self._policy and not preemptible else None
         cap = min(self.max_batch, shared or self.max_batch)
         until = time.monotonic() + self.max_wait_s
         gather_until = time.monotonic() + GATHER_MAX_S
         while len(batch) < cap:
+            if self._preemption is not None and _upstream(first.admission) > 0 and (due := self._due(batch, cap)):
+                # another caller's images while this batch waits for its own: the model is idle, they run now
+                self._run_due(due)
+                continue
             if self._overtaken(first.admission, batch[-1]):
                 # another request's image is due before this one's next (an earlier request's, or another
                 # caller's): it leads the next batch. Waiting on would also risk waiting for images whose
                 # decode is held back behind it (``Scheduler._may_decode``)
                 break
-            item = self._pop(first.admission if self._exclusive(first.admission) else None)
+            item = self._queue.pop(first.admission if self._exclusive(first.admission) else None)
             if item is not None:
                 batch.append(self._take(item))
                 continue
@@ -215,17 +188,16 @@ class Batcher:
             self._arrived.wait(remaining)
         return batch
 
-    def _take(self, item: _Item) -> _Item:
+    def _take(self, item: Queued) -> Queued:
         if self._policy is not None:
             self._policy.taken(item.rank[0])
         return item
 
-    def _overtaken(self, leader: Admission | None, last: _Item) -> bool:
+    def _overtaken(self, leader: Admission | None, last: Queued) -> bool:
         """Whether the queue's first image is another request's, tagged no later than the batch's last."""
-        if not self._items:
-            return False
-        tag, head = self._items[0][0][0], self._items[0][1]
-        return head.admission is not leader and tag <= last.rank[0] and self._exclusive(leader)
+        head = self._queue.head()
+        return head is not None and head.admission is not leader and head.rank[0] <= last.rank[0] \
+            and self._exclusive(leader)
 
     def _exclusive(self, admission: Admission | None) -> bool:
         """Whether a batch led by ``admission``'s image may only hold that admission's images.
@@ -238,20 +210,8 @@ class Batcher:
         """
         return not self.across_requests or _upstream(admission) > 0
 
-    def _pop(self, admission: Admission | None) -> _Item | None:
-        """The next image by rank, or (``admission`` given) the next of that admission's."""
-        if admission is None:
-            return heapq.heappop(self._items)[1] if self._items else None
-        for i, (_, item) in enumerate(self._items):
-            if item.admission is admission:
-                self._items[i] = self._items[-1]
-                self._items.pop()
-                heapq.heapify(self._items)
-                return item
-        return None
-
     @staticmethod
-    def _drop_expired(batch: Sequence[_Item]) -> list[_Item]:
+    def _drop_expired(batch: Sequence[Queued]) -> list[Queued]:
         """The batch without images whose request was cancelled while it gathered, or whose deadline passed."""
         now = time.monotonic()
         live = []
@@ -266,9 +226,26 @@ class Batcher:
                 live.append(item)
         return live
 
-    def _run(self, batch: list[_Item]) -> None:
+    def _run(self, batch: list[Queued]) -> None:
         started = time.monotonic()
-        outcome = self._pool.apply(_forward_stacked, (self._run_batch, [it.pixels for it in batch]))
+        pixels = [it.pixels for it in batch]
+        interjected = 0.0
+        self._running = batch
+        self._interject_left = len(batch)  # other callers get at most as many images as it has, meanwhile
+        self._interject_soon()  # an image that cut this batch short (``_overtaken``) goes at its first point
+        try:
+            if self._preemption is not None:
+                self._preemption.expect()
+                outcome, interjected = self._pool.apply(self._preemption.run,
+                                                        (forward_stacked, self._run_batch, pixels))
+            else:
+                outcome = self._pool.apply(forward_stacked, (self._run_batch, pixels))
+        finally:
+            self._running = None
+        self._deliver(batch, outcome, started, time.monotonic() - started - interjected)
+
+    def _deliver(self, batch: list[Queued], outcome: list[Outcome] | BaseException, started: float,
+                 seconds: float) -> None:
         if isinstance(outcome, BaseException):  # the model raised: fail these images, keep serving
             log.error("inference failed on a batch of %d image(s)", len(batch), exc_info=outcome)
             err = InferenceFailed(f"the model failed on a batch of {len(batch)} image(s) "
@@ -276,7 +253,6 @@ class Batcher:
             for item in batch:
                 item.result.set_exception(err)
             return
-        seconds = time.monotonic() - started
         log.debug("batch of %d image(s) in %.3fs", len(batch), seconds)
         self.stats.record(len(batch), seconds)
         for item, row in zip(batch, outcome, strict=True):
@@ -285,40 +261,55 @@ class Batcher:
             else:
                 item.result.set(Row(row[0], row[1], started - item.enqueued, seconds, len(batch)))
 
+    # ------------------------------------------------------------------ interjections
+
+    def _interject_soon(self) -> None:
+        if (self._preemption is not None and self._running is not None and len(self._running) > 1
+                and not self._interjecting and self._due(self._running, self._interject_left)):
+            self._interjecting = True
+            gevent.spawn(self._interject)
+
+    def _due(self, batch: list[Queued], most: int) -> list[Queued]:
+        """Up to ``most`` queued images of callers with no image in ``batch`` (running or gathering): they
+        should not wait for all of it. A caller's own next request waits: its images would cut the caller's
+        own batch into small forwards."""
+        return self._queue.others(batch, most)
+
+    def _unqueue(self, items: list[Queued]) -> list[Queued]:
+        """Take ``items`` out of the queue; those still worth a forward."""
+        self._queue.remove(items)
+        return self._drop_expired(items)
+
+    def _run_due(self, due: list[Queued]) -> None:
+        live = self._unqueue(due)
+        for item in live:
+            self._take(item)
+        if live:
+            self._run(live)
+
+    def _interject(self) -> None:
+        """Offer the images due (``_due``) to the running forward, as one short forward of their own, until
+        none is due or the forward ends (then they lead the next batch as usual)."""
+        assert self._preemption is not None
+        try:
+            while self._running is not None and (due := self._due(self._running, self._interject_left)):
+                live = self._unqueue(due)
+                if not live:
+                    continue
+                job = self._preemption.offer(forward_stacked, self._run_batch, [it.pixels for it in live])
+                if job is None:  # the forward ended meanwhile: they lead the next batch
+                    self._queue.requeue(live)
+                    return
+                self._interject_left -= len(live)
+                for item in live:
+                    self._take(item)
+                # its inference time counts from the offer: it waits for the running forward's next point
+                started = time.monotonic()
+                outcome = job.get()
+                self._deliver(live, outcome, started, time.monotonic() - started)
+        finally:
+            self._interjecting = False
+
 
 def _upstream(admission: Admission | None) -> int:
     return admission.upstream if admission is not None else 0
-
-
-def _stacked(items: list[Any]) -> Any:
-    """Crops or token ids stacked into one array; a batch holding JPEGs for the device stays a list
-    (``LoadedModel.forward_items``)."""
-    return np.stack(items) if all(isinstance(item, np.ndarray) for item in items) else items
-
-
-def _forward_stacked(run_batch: RunBatch, pixels: list[Any]) -> list[_Outcome] | Exception:
-    """In the inference thread: stack, forward, hand back each item's numpy rows, or the model's exception
-    (which the collector logs once; raising here would make gevent print it as a crashed task too).
-
-    A batch that runs out of device memory is split and its halves retried, down to single items; an
-    item that does not fit alone gets the ``OutOfMemory`` (503 + Retry-After) and the rest their rows."""
-    try:
-        out = run_batch(_stacked(pixels))
-    except OutOfMemory as exc:
-        if len(pixels) == 1:
-            log.warning("out of memory on a single item: %s", exc)
-            return [exc]
-        half = len(pixels) // 2
-        log.warning("out of memory on a batch of %d: retrying it as %d + %d", len(pixels), half, len(pixels) - half)
-        first, second = _forward_stacked(run_batch, pixels[:half]), _forward_stacked(run_batch, pixels[half:])
-        if isinstance(first, Exception) or isinstance(second, Exception):
-            return first if isinstance(first, Exception) else second
-        return first + second
-    except Exception as exc:
-        return exc
-    if not isinstance(out, Outputs):
-        out = Outputs(*out)
-    feats = None if out.features is None else np.asarray(out.features)
-    logits = None if out.logits is None else np.asarray(out.logits)
-    return [out.failed[i] if i in out.failed else (None if feats is None else feats[i], None if logits is None else logits[i])
-            for i in range(len(pixels))]

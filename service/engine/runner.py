@@ -24,10 +24,13 @@ import gevent
 import numpy as np
 from gevent.event import AsyncResult, Event
 from gevent.threadpool import ThreadPool
+from torch import nn
 
 from service import metrics
-from service.engine.batcher import Batcher, Outputs
+from service.engine.batcher import Batcher
 from service.engine.cores import CorePlan, Siblings, lower_priority
+from service.engine.forwarding import Outputs
+from service.engine.preemption import Preemption
 from service.engine.scheduling import Admission, Gather, Rank, Scheduler
 from service.engine.types import EncodedJpeg, ModelInfo, Tokens
 from service.errors import GreenserveError
@@ -68,13 +71,16 @@ class Runner:
         self.settings = settings
         self._infer_pool = ThreadPool(1)  # the worker-local lock: one native thread touches the model
         self._decode_pool = ThreadPool(settings.decode_threads_per_worker())
+        self._spare_decode = ThreadPool(1)  # a caller's first image while every decode thread is another's
         # below the hub (HTTP, health checks) come the model, then decode: see ``cores.lower_priority``
         self._inference_nice = settings.compute_nice // 2
         self.threads = CorePlan(settings, cores or len(os.sched_getaffinity(0)), siblings)
         self.scheduling = Scheduler(settings, self._decode_pool.maxsize, self.threads)
+        self._preemption = Preemption() if settings.preempt_forwards else None
         self.batcher = Batcher(self._forward, self._infer_pool, max_batch=settings.max_batch,
                                max_wait_s=settings.max_batch_wait_ms / 1000,
-                               across_requests=settings.batch_across_requests, policy=self.scheduling)
+                               across_requests=settings.batch_across_requests, policy=self.scheduling,
+                               preemption=self._preemption)
         self.scheduling.watch(self.batcher)
         self.batcher.stats.on_batch = metrics.observe_batch
         # texts get their own batcher on the same one-thread pool: their forwards take turns with the
@@ -120,6 +126,9 @@ class Runner:
         assert self._loader is not None
         lower_priority(self._inference_nice)  # before torch starts its threads: they inherit it
         model = self._loader()
+        module = getattr(model, "module", None)  # ``LoadedModel.module``; test doubles have none
+        if self._preemption is not None and isinstance(module, nn.Module):
+            log.debug("%d preemption points in the model", self._preemption.install(module))
         model.warm_up()
         return model
 
@@ -133,7 +142,7 @@ class Runner:
         self.text_batcher.stop()
         if self._loading is not None:
             self._loading.kill()  # a load not begun never starts; one in its thread goes on (waited for below)
-        pools = (self._infer_pool, self._decode_pool)
+        pools = (self._infer_pool, self._decode_pool, self._spare_decode)
         with gevent.Timeout(timeout_s, False):
             while any(pool.size or len(pool) for pool in pools):  # again if a greenlet queued more meanwhile
                 for pool in pools:
@@ -167,15 +176,19 @@ class Runner:
         """Images admitted and not yet answered, on this worker."""
         return self.scheduling.admitted()
 
-    def offload(self, fn: Callable[..., T], *args: Any, rank: Rank | None = None) -> T:
+    def offload(self, fn: Callable[..., T], *args: Any, rank: Rank | None = None, caller: str = "") -> T:
         """Run CPU-bound ``fn`` in a native decode thread; the calling greenlet waits cooperatively.
-        ``rank`` places it in the worker's request order (``Scheduler.decode_slot``).
+        ``rank`` places it in the worker's request order, ``caller`` lets it take the spare thread
+        (``Scheduler.decode_slot``), which runs at the model's priority.
 
         ``GreenserveError``s (a bad image, say) are carried back and raised here, in the greenlet;
         gevent would otherwise print each one as a crashed task.
         """
-        with self.scheduling.decode_slot(rank):
-            outcome = self._decode_pool.apply(_capture_expected, (self.settings.compute_nice, fn, args))
+        with self.scheduling.decode_slot(rank, caller) as spare:
+            if spare:
+                outcome = self._spare_decode.apply(_capture_expected, (self._inference_nice, fn, args))
+            else:
+                outcome = self._decode_pool.apply(_capture_expected, (self.settings.compute_nice, fn, args))
         if isinstance(outcome, _Raised):
             try:
                 raise outcome.error

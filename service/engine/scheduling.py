@@ -38,6 +38,7 @@ from service.errors import Overloaded
 from service.settings import Settings
 
 Rank = tuple[float, int]  # (the image's fair tag, the image's index): lower goes first
+FIRST: Rank = (float("-inf"), 0)  # unranked work (a big JSON body) and a caller's first image: before any image
 NOT_READY_RETRY_S = 5
 
 
@@ -54,6 +55,8 @@ class Queue(Protocol):
 
     def queued_before(self, arrived: float) -> int: ...
 
+    def queued_by(self, caller: str) -> int: ...
+
     def wake(self) -> None: ...
 
     def cancel(self, group: Admission) -> int: ...
@@ -66,15 +69,17 @@ class CorePlan(Protocol):
 
 
 class Admission:
-    """One admitted request's place: when it arrived, its fair start tag, how many of its
+    """One admitted request's place: when it arrived, its fair start tag, its caller, how many of its
     images are still on their way (being fetched or decoded), and whether it ended early."""
 
-    __slots__ = ("arrived", "start", "upstream", "cancelled", "streamed", "_submitted", "_scheduler")
+    __slots__ = ("arrived", "start", "caller", "upstream", "cancelled", "streamed", "_submitted", "_scheduler")
 
-    def __init__(self, scheduler: Scheduler, upstream: int, arrived: float, start: float = 0.0) -> None:
+    def __init__(self, scheduler: Scheduler, upstream: int, arrived: float, start: float = 0.0,
+                 caller: str = "") -> None:
         self._scheduler = scheduler
         self.arrived = arrived
         self.start = start
+        self.caller = caller
         self.upstream = upstream
         self.cancelled = False
         self.streamed = False  # its answer is streamed: its first row should not wait for a gathered batch
@@ -125,6 +130,8 @@ class Scheduler:
         self._settling = Event()  # set (and replaced) whenever images settle or a request ends
         self._decode = RankedSlots(decode_threads, ready=self._may_decode)
         self._decoding = 0  # tasks waiting for or holding a decode slot
+        self._decoding_by: dict[str, int] = {}  # decode slots held, per caller
+        self._spare_busy = False  # the spare decode thread (``decode_slot``)
 
     def watch(self, queue: Queue) -> None:
         self._queue = queue
@@ -140,7 +147,7 @@ class Scheduler:
         self._refuse_beyond(n_images, ready, seconds_per_image)
         start = self._callers.admit(caller, n_images, seconds_per_image)  # or 429: over its share
         coming = n_images if coming is None else coming
-        admission = Admission(self, coming, time.monotonic() if arrived is None else arrived, start)
+        admission = Admission(self, coming, time.monotonic() if arrived is None else arrived, start, caller)
         self._admitted += n_images
         self._upstream += coming
         self._admissions.append(admission)
@@ -191,7 +198,12 @@ class Scheduler:
     def wait_to_fetch(self, admission: Admission) -> None:
         """Until earlier requests have at most ``fetch_concurrency`` images still on their way. Fetching
         every queued request's images at once held all their bytes (8 albums: 733 MB) and kept the hub
-        reading when it should answer; starting just before they are needed hides the hosts' latency."""
+        reading when it should answer; starting just before they are needed hides the hosts' latency.
+        A caller's only request, if small (at most ``fetch_concurrency`` images), never waits: its bytes are
+        few, and a one-photo call tagged just after another caller's albums waited for them (~300 ms)."""
+        if admission.upstream <= self._fetch_ahead and not any(
+                a.caller == admission.caller for a in self._admissions if a is not admission):
+            return
         while sum(a.upstream_before(admission.start) for a in self._admissions
                   if a is not admission) > self._fetch_ahead:
             self._settling.wait()
@@ -199,14 +211,38 @@ class Scheduler:
     # ------------------------------------------------------------------ decode
 
     @contextlib.contextmanager
-    def decode_slot(self, rank: Rank | None) -> Iterator[None]:
-        """A decode thread's turn, in rank order (unranked work, such as a big JSON body, first)."""
+    def decode_slot(self, rank: Rank | None, caller: str = "") -> Iterator[bool]:
+        """A decode thread's turn, in rank order (unranked work, such as a big JSON body, first).
+
+        A caller with nothing of its own decoding or queued for the model (a one-photo call, an album's first
+        image) goes first and is never held back (``_may_decode``), and when every decode thread is busy
+        it takes the spare one (yields True) rather than wait. Beside an album, a one-photo caller's image
+        was tagged just after two of the album's and waited for them to be batched (up to a whole forward),
+        then for a decode thread busy with a 12 MP photo while the forward took the cores."""
+        first = bool(caller) and not self._decoding_by.get(caller) and not (
+            self._queue is not None and self._queue.queued_by(caller))
+        if first or rank is None:
+            rank = FIRST
+        spare = first and not self._spare_busy and not self._decode.free()
         self._decoding += 1
+        self._spare_busy |= spare
         try:
-            with self._decode.take((float("-inf"), 0) if rank is None else rank):
-                yield
+            with contextlib.nullcontext() if spare else self._decode.take(rank), self._holding(caller):
+                yield spare
         finally:
             self._decoding -= 1
+            if spare:
+                self._spare_busy = False
+
+    @contextlib.contextmanager
+    def _holding(self, caller: str) -> Iterator[None]:
+        self._decoding_by[caller] = self._decoding_by.get(caller, 0) + 1
+        try:
+            yield
+        finally:
+            left = self._decoding_by.pop(caller) - 1
+            if left:
+                self._decoding_by[caller] = left
 
     def _may_decode(self, rank: Rank) -> bool:
         """Not while the model already has ``decode_threads`` images of earlier requests queued: decoding
@@ -281,6 +317,10 @@ class RankedSlots:
             entry[3] = False
             self._free -= 1
             entry[2].set()
+
+    def free(self) -> int:
+        """Slots no one holds."""
+        return self._free
 
     def _release(self) -> None:
         self._free += 1

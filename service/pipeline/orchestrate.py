@@ -301,7 +301,7 @@ class Orchestrator:
         decode = checked_for_device if work.info.jpeg_decode == "device" and not pillow else decode_and_crop
         try:
             return self.runner.offload(decode, data, work.info.transform, self.max_pixels,
-                                       rank=work.admission.rank(ref.index))
+                                       rank=work.admission.rank(ref.index), caller=work.admission.caller)
         finally:
             work.spans.add("decode", t0, time.monotonic())
 
