@@ -44,3 +44,34 @@ def test_a_caller_over_its_share_is_429_and_others_and_later_it_are_served(weigh
     assert other.status_code == 200 and first[0].status_code == 200 and again.status_code == 200
     assert {int(r.headers["X-Worker-PID"]) for r in (over, other, first[0], again)} == pid
     assert "greenserve_over_share_total 1.0" in metrics and "backfill" not in metrics
+
+
+def test_a_one_photo_caller_runs_inside_an_albums_forward_and_the_album_is_unharmed(weights_file: Path,
+                                                                                    image_host: ImageHost) -> None:
+    """One worker, an album of 32 photos in one request (one gathered forward) and a one-photo caller
+    sending back to back meanwhile: some of its images run between the album forward's blocks
+    (``greenserve_interjected_images_total``), it is answered while the album is still in flight, and the
+    album's rows equal those of the same album sent alone."""
+    env = e2e_env(weights_file, image_host, GREENSERVE_MAX_IMAGES="32")
+    album = {"images": [f"img{i % 8:03d}.jpg?n={i}" for i in range(32)]}
+    with GunicornServer(env, workers=1, cache="off") as srv:  # every image to the model, each time
+        alone = requests.post(srv.url + "/v1/embeddings", json=album, timeout=TIMEOUT)
+        shared: list[requests.Response] = []
+        sending = threading.Thread(target=lambda: shared.append(requests.post(
+            srv.url + "/v1/embeddings", json=album, headers={"X-Client-ID": "album"}, timeout=TIMEOUT)))
+        sending.start()
+        answered_meanwhile = 0
+        while sending.is_alive():
+            one = requests.post(srv.url + "/v1/embeddings", json={"images": ["img001.jpg"]},
+                                headers={"X-Client-ID": "search"}, timeout=TIMEOUT)
+            assert one.status_code == 200, one.text
+            answered_meanwhile += sending.is_alive()
+        sending.join(TIMEOUT)
+        metrics = requests.get(srv.url + "/metrics", timeout=TIMEOUT).text
+    interjected = next(float(x.split()[-1]) for x in metrics.splitlines()
+                       if x.startswith("greenserve_interjected_images_total "))
+    assert interjected >= 1 and answered_meanwhile >= 1, (interjected, answered_meanwhile)
+    assert shared[0].status_code == 200 and alone.status_code == 200
+    for a, b in zip(alone.json()["data"], shared[0].json()["data"], strict=True):
+        assert a["index"] == b["index"] and max(abs(x - y) for x, y in zip(a["embedding"], b["embedding"],
+                                                                            strict=True)) < 1e-4

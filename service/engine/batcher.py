@@ -64,6 +64,8 @@ class BatchStats:
     batches: int = 0
     seconds_per_image: float = 0.05  # refined by an exponential average of real batches
     on_batch: Callable[[int, float], None] | None = None
+    interjected: int = 0  # images run inside another caller's forward (``preemption``)
+    on_interjected: Callable[[int], None] | None = None
 
     def record(self, n: int, seconds: float) -> None:
         self.batches += 1
@@ -301,6 +303,9 @@ class Batcher:
                     self._queue.requeue(live)
                     return
                 self._interject_left -= len(live)
+                self.stats.interjected += len(live)
+                if self.stats.on_interjected:
+                    self.stats.on_interjected(len(live))
                 for item in live:
                     self._take(item)
                 # its inference time counts from the offer: it waits for the running forward's next point

@@ -83,6 +83,7 @@ class Runner:
                                preemption=self._preemption)
         self.scheduling.watch(self.batcher)
         self.batcher.stats.on_batch = metrics.observe_batch
+        self.batcher.stats.on_interjected = metrics.INTERJECTED.inc
         # texts get their own batcher on the same one-thread pool: their forwards take turns with the
         # images' batches and are never mixed into one
         self._texts_coming = TextsComing(self.scheduling)
