@@ -168,8 +168,9 @@ class Settings:
     max_caller_images: int = _setting(0, "images one caller may have admitted (queued or running) per worker "
                                       "before 429 + Retry-After; 0 = no cap of its own (callers are still "
                                       "interleaved)", parse="int", lo=0)
-    preempt_forwards: bool = _setting(True, "an image due before the rest of a running batch (another caller's) "
-                                      "runs between that forward's blocks instead of after it", parse="bool")
+    preempt_forwards: bool = _setting(True, "another caller's images run between the blocks of a running forward "
+                                      "(at most as many as it holds) instead of waiting for all of it",
+                                      parse="bool")
     fair_quantum_ms: float = _setting(250.0, "while callers share a worker, a forward that cannot be interrupted "
                                       "(GREENSERVE_PREEMPT_FORWARDS=false, a TorchScript model) holds about this "
                                       "much work (at least one image): another caller's image waits for one "
