@@ -55,8 +55,6 @@ class Row:
     batch_size: int
 
 
-
-
 @dataclass
 class BatchStats:
     """Running figures the runner uses for Retry-After and metrics."""
@@ -81,8 +79,8 @@ class Batcher:
                  preemption: Preemption | None = None) -> None:
         self._run_batch = run_batch
         self._pool = pool
-        # images due before the running batch's last one (another request's: a caller that just came) run
-        # between its blocks instead of after it (``preemption``)
+        # other callers' images run between the blocks of the running forward instead of after it
+        # (``preemption``); a caller's own next images wait for it
         self._preemption = preemption
         self._running: list[Queued] | None = None
         self._interject_left = 0
@@ -160,7 +158,8 @@ class Batcher:
         until = time.monotonic() + self.max_wait_s
         gather_until = time.monotonic() + GATHER_MAX_S
         while len(batch) < cap:
-            if self._preemption is not None and _upstream(first.admission) > 0 and (due := self._due(batch, cap)):
+            if (self._preemption is not None and _upstream(first.admission) > 0
+                    and time.monotonic() < gather_until and (due := self._due(batch, cap))):
                 # another caller's images while this batch waits for its own: the model is idle, they run now
                 self._run_due(due)
                 continue

@@ -130,7 +130,7 @@ class Scheduler:
         self._settling = Event()  # set (and replaced) whenever images settle or a request ends
         self._decode = RankedSlots(decode_threads, ready=self._may_decode)
         self._decoding = 0  # tasks waiting for or holding a decode slot
-        self._decoding_by: dict[str, int] = {}  # decode slots held, per caller
+        self._decoding_by: dict[str, int] = {}  # images decoding or waiting to, per caller
         self._spare_busy = False  # the spare decode thread (``decode_slot``)
 
     def watch(self, queue: Queue) -> None:
@@ -214,8 +214,8 @@ class Scheduler:
     def decode_slot(self, rank: Rank | None, caller: str = "") -> Iterator[bool]:
         """A decode thread's turn, in rank order (unranked work, such as a big JSON body, first).
 
-        A caller with nothing of its own decoding or queued for the model (a one-photo call, an album's first
-        image) goes first and is never held back (``_may_decode``), and when every decode thread is busy
+        A caller with nothing of its own decoding (or waiting to) or queued for the model (a one-photo call, an
+        album's first image) goes first and is never held back (``_may_decode``), and when every decode thread is busy
         it takes the spare one (yields True) rather than wait. Beside an album, a one-photo caller's image
         was tagged just after two of the album's and waited for them to be batched (up to a whole forward),
         then for a decode thread busy with a 12 MP photo while the forward took the cores."""
@@ -227,7 +227,7 @@ class Scheduler:
         self._decoding += 1
         self._spare_busy |= spare
         try:
-            with contextlib.nullcontext() if spare else self._decode.take(rank), self._holding(caller):
+            with self._holding(caller), contextlib.nullcontext() if spare else self._decode.take(rank):
                 yield spare
         finally:
             self._decoding -= 1
