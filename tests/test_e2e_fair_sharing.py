@@ -48,11 +48,14 @@ def test_a_caller_over_its_share_is_429_and_others_and_later_it_are_served(weigh
 
 def test_a_one_photo_caller_runs_inside_an_albums_forward_and_the_album_is_unharmed(weights_file: Path,
                                                                                     image_host: ImageHost) -> None:
-    """One worker, an album of 32 photos in one request (one gathered forward) and a one-photo caller
-    sending back to back meanwhile: some of its images run between the album forward's blocks
+    """One worker, an album of 32 photos in one request and a one-photo caller sending back to back
+    meanwhile: some of its images run between the blocks of the album's forwards
     (``greenserve_interjected_images_total``), it is answered while the album is still in flight, and the
     album's rows equal those of the same album sent alone."""
-    env = e2e_env(weights_file, image_host, GREENSERVE_MAX_IMAGES="32")
+    # one torch thread: the album runs as forwards of a few images while it decodes (no gathering), one
+    # after another, and the one-photo calls land in them many times (a gathered forward is one chance)
+    env = e2e_env(weights_file, image_host, GREENSERVE_MAX_IMAGES="32", GREENSERVE_LOG_LEVEL="debug",
+                  GREENSERVE_TORCH_THREADS="1")
     album = {"images": [f"img{i % 8:03d}.jpg?n={i}" for i in range(32)]}
     with GunicornServer(env, workers=1, cache="off") as srv:  # every image to the model, each time
         alone = requests.post(srv.url + "/v1/embeddings", json=album, timeout=TIMEOUT)
@@ -68,9 +71,10 @@ def test_a_one_photo_caller_runs_inside_an_albums_forward_and_the_album_is_unhar
             answered_meanwhile += sending.is_alive()
         sending.join(TIMEOUT)
         metrics = requests.get(srv.url + "/metrics", timeout=TIMEOUT).text
+        batches = [line[-60:] for line in srv.log().splitlines() if "batch of" in line or "points" in line]
     interjected = next(float(x.split()[-1]) for x in metrics.splitlines()
                        if x.startswith("greenserve_interjected_images_total "))
-    assert interjected >= 1 and answered_meanwhile >= 1, (interjected, answered_meanwhile)
+    assert interjected >= 1 and answered_meanwhile >= 1, (interjected, answered_meanwhile, batches)
     assert shared[0].status_code == 200 and alone.status_code == 200
     for a, b in zip(alone.json()["data"], shared[0].json()["data"], strict=True):
         assert a["index"] == b["index"] and max(abs(x - y) for x, y in zip(a["embedding"], b["embedding"],

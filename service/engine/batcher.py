@@ -158,9 +158,7 @@ class Batcher:
         until = time.monotonic() + self.max_wait_s
         gather_until = time.monotonic() + GATHER_MAX_S
         while len(batch) < cap:
-            if (self._preemption is not None and _upstream(first.admission) > 0
-                    and time.monotonic() < gather_until and (due := self._due(batch, cap))):
-                # another caller's images while this batch waits for its own: the model is idle, they run now
+            if due := self._due_while_gathering(batch, cap, gather_until):
                 self._run_due(due)
                 continue
             if self._overtaken(first.admission, batch[-1]):
@@ -275,6 +273,14 @@ class Batcher:
         should not wait for all of it. A caller's own next request waits: its images would cut the caller's
         own batch into small forwards."""
         return self._queue.others(batch, most)
+
+    def _due_while_gathering(self, batch: list[Queued], most: int, until: float) -> list[Queued]:
+        """Other callers' images while ``batch`` waits for its own request's (``_due``): the model is idle,
+        they run now, until GATHER_MAX_S. Only requests with all their images here (a one-photo call): another
+        album still decoding gathers its own batch rather than run a photo at a time."""
+        if self._preemption is None or _upstream(batch[0].admission) <= 0 or time.monotonic() >= until:
+            return []
+        return [item for item in self._due(batch, most) if _upstream(item.admission) <= 0]
 
     def _unqueue(self, items: list[Queued]) -> list[Queued]:
         """Take ``items`` out of the queue; those still worth a forward."""
