@@ -62,8 +62,7 @@ class BatchStats:
     batches: int = 0
     seconds_per_image: float = 0.05  # refined by an exponential average of real batches
     on_batch: Callable[[int, float], None] | None = None
-    interjected: int = 0  # images run inside another caller's forward (``preemption``)
-    on_interjected: Callable[[int], None] | None = None
+    on_interjected: Callable[[int], None] | None = None  # images run inside another caller's forward
 
     def record(self, n: int, seconds: float) -> None:
         self.batches += 1
@@ -231,7 +230,7 @@ class Batcher:
         interjected = 0.0
         self._running = batch
         self._interject_left = len(batch)  # other callers get at most as many images as it has, meanwhile
-        self._interject_soon()  # an image that cut this batch short (``_overtaken``) goes at its first point
+        self._interject_soon()  # another caller's images already queued go at its first point
         try:
             if self._preemption is not None:
                 self._preemption.expect()
@@ -264,7 +263,8 @@ class Batcher:
 
     def _interject_soon(self) -> None:
         if (self._preemption is not None and self._running is not None and len(self._running) > 1
-                and not self._interjecting and self._due(self._running, self._interject_left)):
+                and self._interject_left > 0 and not self._interjecting
+                and self._queue.has_others(self._running)):
             self._interjecting = True
             gevent.spawn(self._interject)
 
@@ -308,7 +308,6 @@ class Batcher:
                     self._queue.requeue(live)
                     return
                 self._interject_left -= len(live)
-                self.stats.interjected += len(live)
                 if self.stats.on_interjected:
                     self.stats.on_interjected(len(live))
                 for item in live:

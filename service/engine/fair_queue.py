@@ -92,6 +92,11 @@ class FairQueue:
         """Queued images of ``caller``'s requests."""
         return sum(1 for _, item in self._heap if item.admission is not None and item.caller == caller)
 
+    def has_others(self, batch: Iterable[Queued]) -> bool:
+        """Whether an image of a caller with no image in ``batch`` is queued (``others``, without the sort)."""
+        callers = {item.caller for item in batch}
+        return any(item.admission is not None and item.caller not in callers for _, item in self._heap)
+
     def others(self, batch: Iterable[Queued], most: int) -> list[Queued]:
         """Up to ``most`` queued images, in fair order, of callers with no image in ``batch``."""
         if most <= 0:

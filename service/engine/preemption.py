@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, TypeVar, cast
 
 import gevent
 import torch
@@ -60,7 +60,7 @@ class Interjection(Generic[T]):
         value = self._done.get(timeout=timeout)
         if isinstance(value, _Failed):
             raise value.error
-        return value  # type: ignore[no-any-return]
+        return cast(T, value)
 
 
 class Preemption:
