@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import sqlite3
+import threading
 import time
 from pathlib import Path
 
@@ -90,6 +91,31 @@ def test_a_locked_disk_store_is_store_down_after_its_timeout(tmp_path: Path) -> 
     assert time.monotonic() - t0 < 1.0
     holder.rollback()
     store.put_many({"k": b"v"}, ttl_s=0)
+
+
+def test_a_worker_that_boots_while_another_holds_the_lock_still_gets_the_store(tmp_path: Path) -> None:
+    """A host's workers boot together, and the first to open a new file holds its lock while it sets it up:
+    the other waits for it (it once came up without the store, and answered every lookup with a miss)."""
+    holder = sqlite3.connect(str(tmp_path / "embeddings.sqlite3"), check_same_thread=False)
+    holder.execute("BEGIN EXCLUSIVE")
+    release = threading.Timer(0.3, holder.rollback)
+    release.start()
+    store = DiskStore(str(tmp_path), max_bytes=1 << 20, timeout_s=0.05)
+    release.join()
+    store.put_many({"k": b"v"}, ttl_s=0)
+    assert store.get_many(["k"]) == {"k": b"v"}
+
+
+def test_a_hit_is_answered_while_another_worker_holds_the_write_lock(tmp_path: Path) -> None:
+    """A hit also marks its rows used (a write); blocked, it costs the LRU order, not the hit."""
+    store = DiskStore(str(tmp_path), max_bytes=1 << 20, timeout_s=0.05)
+    store.put_many({"k": b"v"}, ttl_s=0)
+    writer = sqlite3.connect(str(tmp_path / "embeddings.sqlite3"))
+    writer.execute("BEGIN IMMEDIATE")  # another worker's write in progress: WAL readers go on
+    t0 = time.monotonic()
+    assert store.get_many(["k", "absent"]) == {"k": b"v"}
+    assert time.monotonic() - t0 < 1.0
+    writer.rollback()
 
 
 def test_a_redis_that_is_down_costs_a_bounded_wait_then_is_skipped() -> None:

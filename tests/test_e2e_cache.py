@@ -44,6 +44,7 @@ def server(weights_file: Path, host: ImageHost, cache_dir: Path) -> Iterator[Gun
     """Two workers sharing one disk store: a re-sync answered by the other worker still hits."""
     env = e2e_env(weights_file, host, GREENSERVE_CACHE_DIR=str(cache_dir))
     with GunicornServer(env, workers=2) as srv:
+        assert "no disk store" not in srv.log(), srv.log()  # both workers booted together onto one new file
         yield srv
 
 

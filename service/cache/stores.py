@@ -19,6 +19,10 @@ from typing import Any, Protocol
 
 DB_NAME = "embeddings.sqlite3"
 EVICT_TO = 0.9  # eviction frees down to this share of the cap, so it runs once per many writes, not per write
+# creating the table waits this long for the lock: a host's workers boot together, and each one's first
+# connection to a new file turns it to WAL and creates the table, holding the lock while it does (on a busy
+# host, past a request's ``timeout_s``; the worker then served without the store, every lookup a miss)
+SETUP_TIMEOUT_S = 30.0
 
 
 class StoreDown(Exception):
@@ -102,10 +106,14 @@ class DiskStore:
         self.timeout_s = timeout_s
         self._local = threading.local()  # a connection per thread: sqlite3 objects stay in their thread
         os.makedirs(directory, exist_ok=True)
-        with self._db() as db:
-            db.execute("CREATE TABLE IF NOT EXISTS entries (key TEXT PRIMARY KEY, value BLOB NOT NULL, "
-                       "size INTEGER NOT NULL, used REAL NOT NULL, expires REAL NOT NULL)")
-            db.execute("CREATE INDEX IF NOT EXISTS entries_used ON entries (used)")
+        db = _connect(self.path, SETUP_TIMEOUT_S)
+        try:
+            with db:
+                db.execute("CREATE TABLE IF NOT EXISTS entries (key TEXT PRIMARY KEY, value BLOB NOT NULL, "
+                           "size INTEGER NOT NULL, used REAL NOT NULL, expires REAL NOT NULL)")
+                db.execute("CREATE INDEX IF NOT EXISTS entries_used ON entries (used)")
+        finally:
+            db.close()
 
     def get_many(self, keys: Sequence[str]) -> dict[str, bytes]:
         if not keys:
@@ -116,13 +124,21 @@ class DiskStore:
             db = self._db()
             rows = db.execute(f"SELECT key, value FROM entries WHERE key IN ({marks}) AND expires > ?",
                               [*keys, now]).fetchall()
-            if rows:
-                with db:  # a hit is used now: the LRU order, in one short write
-                    db.execute(f"UPDATE entries SET used = ? WHERE key IN ({','.join('?' * len(rows))})",
-                               [now, *(k for k, _ in rows)])
         except sqlite3.Error as exc:
             raise StoreDown(f"sqlite: {exc}") from exc
+        if rows:
+            self._touch(db, [k for k, _ in rows], now)
         return {k: bytes(v) for k, v in rows}
+
+    @staticmethod
+    def _touch(db: sqlite3.Connection, keys: list[str], now: float) -> None:
+        """A hit is used now: the LRU order, in one short write. Only an order: while another worker holds
+        the write lock past ``timeout_s`` the rows read are still the answer (they were a bypass before)."""
+        try:
+            with db:
+                db.execute(f"UPDATE entries SET used = ? WHERE key IN ({','.join('?' * len(keys))})", [now, *keys])
+        except sqlite3.OperationalError:
+            pass
 
     def put_many(self, items: Mapping[str, bytes], ttl_s: float, first_wins: bool = False) -> int:
         if not items:
@@ -168,8 +184,12 @@ class DiskStore:
     def _db(self) -> sqlite3.Connection:
         db: sqlite3.Connection | None = getattr(self._local, "db", None)
         if db is None:
-            db = sqlite3.connect(self.path, timeout=self.timeout_s)
-            db.execute("PRAGMA journal_mode=WAL")  # readers never wait for the writer, nor it for them
-            db.execute("PRAGMA synchronous=NORMAL")  # a power cut may lose the last writes, never corrupt
-            self._local.db = db
+            db = self._local.db = _connect(self.path, self.timeout_s)
         return db
+
+
+def _connect(path: str, timeout_s: float) -> sqlite3.Connection:
+    db = sqlite3.connect(path, timeout=timeout_s)
+    db.execute("PRAGMA journal_mode=WAL")  # readers never wait for the writer, nor it for them
+    db.execute("PRAGMA synchronous=NORMAL")  # a power cut may lose the last writes, never corrupt
+    return db
