@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import gevent
 import numpy as np
@@ -52,6 +53,7 @@ class Policy:
     def __init__(self, upstream: Callable[[], int], gather: Gather = Gather.NO) -> None:
         self._upstream, self._gather = upstream, gather
         self.taken_calls = 0
+        self.urgent_calls: list[bool] = []
 
     def upstream(self) -> int:
         return self._upstream()
@@ -64,6 +66,12 @@ class Policy:
 
     def batch_cap(self, seconds_per_image: float) -> int | None:
         return None
+
+    @contextlib.contextmanager
+    def urgent(self) -> Iterator[None]:
+        self.urgent_calls.append(True)
+        yield
+        self.urgent_calls.append(False)
 
 
 def pixel(v: int) -> np.ndarray:

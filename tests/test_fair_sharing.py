@@ -157,16 +157,19 @@ def test_a_streamed_requests_first_batch_goes_with_one_image() -> None:
     """With images on their way a batch would gather them (up to 2 s); a streamed request's first row goes
     at once, and its next batch gathers as usual."""
     fwd = Forward(delay_s=0.02)
-    b = make(fwd, max_batch=8, max_wait_s=0.5, policy=Policy(lambda: 5, Gather.BRIDGE_GAPS))
+    policy = Policy(lambda: 5, Gather.BRIDGE_GAPS)
+    b = make(fwd, max_batch=8, max_wait_s=0.5, policy=policy)
     streamed = _Streamed()
     t0 = time.monotonic()
     first = b.submit(pixel(1), admission=streamed, tag=0.0)
     first.get(timeout=2)
     assert time.monotonic() - t0 < 0.3 and fwd.sizes == [1]
+    assert policy.urgent_calls == [True, False], "the first row's forward is urgent (decodes and reads wait)"
     rest = [b.submit(pixel(2 + i), admission=streamed, tag=1.0 + i) for i in range(3)]
     streamed.upstream = 0
     b.wake()
     for r in rest:
         r.get(timeout=3)
     assert fwd.sizes[1:] == [3], fwd.sizes
+    assert policy.urgent_calls == [True, False], "the rest are not"
     b.stop()

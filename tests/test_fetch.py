@@ -20,6 +20,7 @@ import gevent
 import pytest
 
 from harness.imagehost import Canary, ImageHost
+from service.engine.urgency import Urgency
 from service.errors import ImageError
 from service.pipeline import fetch_body
 from service.pipeline.fetch import HttpFetcher
@@ -175,6 +176,19 @@ def test_a_long_read_yields_to_the_hub_after_every_chunk(host: ImageHost, monkey
     monkeypatch.setattr(gevent, "sleep", lambda s=0, *a, **k: (sleeps.append(s), real_sleep(s, *a, **k))[1])
     assert make(host).fetch(host.url("zeros.jpg")) == BLOBS["zeros.jpg"]
     assert sleeps.count(0) >= len(BLOBS["zeros.jpg"]) // fetch_body.CHUNK_BYTES
+
+
+def test_a_long_read_waits_between_chunks_while_an_urgent_forward_runs(host: ImageHost) -> None:
+    """The worker's fetcher reads with its ``Urgency`` as pace: a 4 MiB body stops at its next chunk while a
+    forward someone waits on has the cores, and goes on when it ends."""
+    urgency = Urgency()
+    fetcher = HttpFetcher(Settings(image_base_url=host.base_url, fetch_timeout_s=3.0), pace=urgency)
+    urgency.begin()
+    reading = gevent.spawn(fetcher.fetch, host.url("zeros.jpg", t="urgent"))
+    gevent.sleep(0.2)
+    assert not reading.dead, "read through an urgent forward"
+    urgency.end()
+    assert reading.get(timeout=3) == BLOBS["zeros.jpg"]
 
 
 def test_a_body_cut_short_fails_and_the_fetcher_carries_on(host: ImageHost) -> None:

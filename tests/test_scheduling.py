@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import gevent
+import gevent.event
 import numpy as np
 import pytest
 
 from service.engine.runner import Runner
-from service.engine.scheduling import Admission, Gather, RankedSlots, Scheduler
+from service.engine.scheduling import Admission, Gather, Scheduler
+from service.engine.slots import RankedSlots
+from service.engine.urgency import HOLD_MAX_S, Urgency
 from service.errors import Overloaded
 from service.settings import Settings
 from tests.fakes import FakeModel
@@ -280,3 +284,51 @@ def test_a_callers_only_small_request_fetches_at_once_whatever_other_callers_hav
             gevent.sleep(0.01)
             assert not waiter.dead
             waiter.kill()
+
+
+@pytest.mark.parametrize("all_cores", [True, False])
+def test_no_decode_starts_while_an_urgent_forward_has_every_core_but_a_callers_first_image(all_cores: bool) -> None:
+    """A streamed answer's first row runs alone on the cores: the album's next decode waits for it to end
+    (a one-photo caller's image does not). A forward that leaves cores free (sibling workers) holds nothing."""
+    scheduler = Scheduler(Settings.from_env({}), 2, AllCores(all_cores))
+    started: list[str] = []
+    release = gevent.event.Event()
+
+    def decode(name: str, rank: tuple[float, int], caller: str, wait: bool = False) -> None:
+        with scheduler.decode_slot(rank, caller):
+            started.append(name)
+            if wait:
+                release.wait(5)
+
+    with scheduler.admit(3, arrived=1.0, caller="album"), scheduler.admit(1, arrived=2.0, caller="search"):
+        with scheduler.urgent():
+            assert scheduler.urgency.active is all_cores
+            album = [gevent.spawn(decode, "album 0", (1.0, 0), "album", True)]  # its first: not held
+            gevent.sleep(0.01)
+            album.append(gevent.spawn(decode, "album 1", (2.0, 1), "album"))
+            search = gevent.spawn(decode, "search 0", (5.0, 0), "search")
+            gevent.sleep(0.05)
+            assert started == (["album 0", "search 0"] if all_cores else ["album 0", "album 1", "search 0"])
+        gevent.sleep(0.01)
+        assert "album 1" in started and not scheduler.urgency.active
+        release.set()
+        gevent.joinall([*album, search], raise_error=True, timeout=2)
+
+
+def test_reads_wait_while_an_urgent_forward_runs_at_most_hold_max() -> None:
+    urgency = Urgency()
+    urgency.begin()
+    reader = gevent.spawn(urgency.turn)
+    gevent.sleep(0.05)
+    assert not reader.dead, "a body's next chunk waits for the urgent forward"
+    urgency.end()
+    reader.join(timeout=1)
+    assert reader.dead
+    urgency.begin()
+    t0 = time.monotonic()
+    urgency.turn()  # a forward that runs long: the reads go on after HOLD_MAX_S
+    assert HOLD_MAX_S * 0.9 <= time.monotonic() - t0 < HOLD_MAX_S + 0.3
+    urgency.end()
+    t0 = time.monotonic()
+    urgency.turn()
+    assert time.monotonic() - t0 < 0.05

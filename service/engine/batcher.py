@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -20,11 +21,11 @@ import numpy as np
 from gevent.event import AsyncResult, Event
 from gevent.threadpool import ThreadPool
 
-from service.engine.fair_queue import Admission, FairQueue, Queued
+from service.engine.fair_queue import Admission, FairQueue, Queued, still_due
 from service.engine.forwarding import Outcome, RunBatch, forward_stacked
 from service.engine.preemption import Preemption
 from service.engine.scheduling import Gather
-from service.errors import DeadlineExceeded, InferenceFailed
+from service.errors import InferenceFailed
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +43,8 @@ class BatchPolicy(Protocol):
     def taken(self, tag: float) -> None: ...  # an image with this fair tag just left the queue for a batch
 
     def batch_cap(self, seconds_per_image: float) -> int | None: ...  # fewer per forward (callers sharing)
+
+    def urgent(self) -> AbstractContextManager[None]: ...  # around a short forward someone waits on
 
 
 @dataclass(frozen=True)
@@ -136,19 +139,20 @@ class Batcher:
 
     def _collect_forever(self) -> None:
         while True:
-            batch = self._collect()
-            live = self._drop_expired(batch)
+            batch, first_row = self._collect()
+            live = still_due(batch)
             if live:
-                self._run(live)
+                self._run(live, urgent=first_row)
 
-    def _collect(self) -> list[Queued]:
+    def _collect(self) -> tuple[list[Queued], bool]:
+        """The next batch, and whether it is a streamed request's first row (urgent: ``_run``)."""
         while not (head := self._queue.pop()):
             self._arrived.clear()
             self._arrived.wait()
         first = self._take(head)
         batch = [first]
         if first.admission is not None and first.admission.first_at_once():
-            return batch  # a streamed request's first row, as soon as its image is here
+            return batch, True  # a streamed request's first row, as soon as its image is here
         # while callers share the worker, a forward that cannot be interrupted holds one quantum of images;
         # one that can (``preemption``) stays the size that runs fastest
         preemptible = self._preemption is not None and self._preemption.points > 0
@@ -184,7 +188,7 @@ class Batcher:
                 break
             self._arrived.clear()
             self._arrived.wait(remaining)
-        return batch
+        return batch, False
 
     def _take(self, item: Queued) -> Queued:
         if self._policy is not None:
@@ -208,23 +212,9 @@ class Batcher:
         """
         return not self.across_requests or _upstream(admission) > 0
 
-    @staticmethod
-    def _drop_expired(batch: Sequence[Queued]) -> list[Queued]:
-        """The batch without images whose request was cancelled while it gathered, or whose deadline passed."""
-        now = time.monotonic()
-        live = []
-        for item in batch:
-            if item.admission is not None and item.admission.cancelled:
-                continue
-            if item.deadline is not None and now >= item.deadline:
-                item.result.set_exception(DeadlineExceeded(
-                    "the request deadline passed before this image reached the model; retry later or "
-                    "raise the deadline (X-Request-Timeout / GREENSERVE_REQUEST_TIMEOUT_S)"))
-            else:
-                live.append(item)
-        return live
-
-    def _run(self, batch: list[Queued]) -> None:
+    def _run(self, batch: list[Queued], urgent: bool = False) -> None:
+        """One forward. ``urgent``: a short one a person waits on (a streamed answer's first row), so the
+        policy holds new decodes off the cores until it ends: beside an album's decodes it ran 3x slower."""
         started = time.monotonic()
         pixels = [it.pixels for it in batch]
         interjected = 0.0
@@ -232,12 +222,13 @@ class Batcher:
         self._interject_left = len(batch)  # other callers get at most as many images as it has, meanwhile
         self._interject_soon()  # another caller's images already queued go at its first point
         try:
-            if self._preemption is not None:
-                self._preemption.expect()
-                outcome, interjected = self._pool.apply(self._preemption.run,
-                                                        (forward_stacked, self._run_batch, pixels))
-            else:
-                outcome = self._pool.apply(forward_stacked, (self._run_batch, pixels))
+            with self._policy.urgent() if urgent and self._policy is not None else nullcontext():
+                if self._preemption is not None:
+                    self._preemption.expect()
+                    outcome, interjected = self._pool.apply(self._preemption.run,
+                                                            (forward_stacked, self._run_batch, pixels))
+                else:
+                    outcome = self._pool.apply(forward_stacked, (self._run_batch, pixels))
         finally:
             self._running = None
         self._deliver(batch, outcome, started, time.monotonic() - started - interjected)
@@ -285,7 +276,7 @@ class Batcher:
     def _unqueue(self, items: list[Queued]) -> list[Queued]:
         """Take ``items`` out of the queue; those still worth a forward."""
         self._queue.remove(items)
-        return self._drop_expired(items)
+        return still_due(items)
 
     def _run_due(self, due: list[Queued]) -> None:
         live = self._unqueue(due)

@@ -12,11 +12,13 @@ from __future__ import annotations
 import heapq
 import itertools
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from gevent.event import AsyncResult
+
+from service.errors import DeadlineExceeded
 
 
 class Admission(Protocol):
@@ -120,3 +122,20 @@ class FairQueue:
         if len(kept) != len(self._heap):
             heapq.heapify(kept)
             self._heap = kept
+
+
+def still_due(batch: Sequence[Queued]) -> list[Queued]:
+    """The batch without images whose request was cancelled while it gathered, or whose deadline passed
+    (told so)."""
+    now = time.monotonic()
+    live = []
+    for item in batch:
+        if item.admission is not None and item.admission.cancelled:
+            continue
+        if item.deadline is not None and now >= item.deadline:
+            item.result.set_exception(DeadlineExceeded(
+                "the request deadline passed before this image reached the model; retry later or "
+                "raise the deadline (X-Request-Timeout / GREENSERVE_REQUEST_TIMEOUT_S)"))
+        else:
+            live.append(item)
+    return live

@@ -31,7 +31,8 @@ from service.engine.batcher import Batcher
 from service.engine.cores import CorePlan, Siblings, lower_priority
 from service.engine.forwarding import Outputs
 from service.engine.preemption import Preemption
-from service.engine.scheduling import Admission, Gather, Rank, Scheduler
+from service.engine.scheduling import Admission, Gather, Scheduler
+from service.engine.slots import Rank
 from service.engine.types import EncodedJpeg, ModelInfo, Tokens
 from service.errors import GreenserveError
 from service.settings import Settings
@@ -252,6 +253,9 @@ class TextsComing:
 
     def batch_cap(self, seconds_per_image: float) -> int | None:
         return None  # a text forward is ~10 ms: short enough whoever waits
+
+    def urgent(self) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()  # a text forward never streams its first row alone
 
 
 class _Raised:

@@ -24,20 +24,19 @@ from __future__ import annotations
 
 import contextlib
 import enum
-import heapq
-import itertools
 import time
-from collections.abc import Callable, Iterator
-from typing import Any, Protocol
+from collections.abc import Iterator
+from typing import Protocol
 
 from gevent.event import Event
 
 from service import metrics
 from service.engine.fairness import Callers
+from service.engine.slots import Rank, RankedSlots
+from service.engine.urgency import Urgency
 from service.errors import Overloaded
 from service.settings import Settings
 
-Rank = tuple[float, int]  # (the image's fair tag, the image's index): lower goes first
 FIRST: Rank = (float("-inf"), 0)  # unranked work (a big JSON body) and a caller's first image: before any image
 NOT_READY_RETRY_S = 5
 
@@ -132,6 +131,7 @@ class Scheduler:
         self._decoding = 0  # tasks waiting for or holding a decode slot
         self._decoding_by: dict[str, int] = {}  # images decoding or waiting to, per caller
         self._spare_busy = False  # the spare decode thread (``decode_slot``)
+        self.urgency = Urgency()  # a short forward someone waits on runs now (``urgent``)
 
     def watch(self, queue: Queue) -> None:
         self._queue = queue
@@ -246,7 +246,10 @@ class Scheduler:
 
     def _may_decode(self, rank: Rank) -> bool:
         """Not while the model already has ``decode_threads`` images of earlier requests queued: decoding
-        sooner would only take the cores from their forwards. The earliest request never waits."""
+        sooner would only take the cores from their forwards. The earliest request never waits, but for an
+        urgent forward (``urgent``); a caller's first image never does."""
+        if self.urgency.active and rank != FIRST:
+            return False
         return self._queue is None or self._queue.queued_before(rank[0]) < self._decode_threads
 
     # ------------------------------------------------------------------ batch (what the batcher asks)
@@ -266,62 +269,23 @@ class Scheduler:
             return Gather.NO
         return Gather.WHILE_DECODING if self._decoding else Gather.BRIDGE_GAPS
 
+    @contextlib.contextmanager
+    def urgent(self) -> Iterator[None]:
+        """Around a short forward someone waits on (a streamed answer's first row): no decode starts and no
+        fetched body is read meanwhile (``urgency``). Only when the forward runs on every core: else it has
+        its own (sibling workers busy, a GPU)."""
+        if not self._cores.all_cores():
+            yield
+            return
+        self.urgency.begin()
+        try:
+            yield
+        finally:
+            self.urgency.end()
+            self._decode.recheck()
+
     def taken(self, tag: float) -> None:
         """An image tagged ``tag`` left the batcher's queue for a batch: fair time moves on to it, and a
         held-back decode may go now."""
         self._callers.taken(tag)
         self._decode.recheck()
-
-
-class RankedSlots:
-    """At most ``n`` holders at a time; waiting greenlets get a slot in rank order, lowest first.
-
-    ``ready(rank)`` (optional) may hold a rank back even with a slot free; it must be monotonic (if it
-    holds a rank back, it holds back every later rank too). Call ``recheck()`` when its answer may have
-    changed.
-    """
-
-    def __init__(self, n: int, ready: Callable[[Rank], bool] | None = None) -> None:
-        self._free = n
-        self._ready = ready
-        self._waiting: list[list[Any]] = []  # heap of [rank, seq, event, still waiting]
-        self._seq = itertools.count()
-
-    @contextlib.contextmanager
-    def take(self, rank: Rank) -> Iterator[None]:
-        entry = [rank, next(self._seq), Event(), True]
-        heapq.heappush(self._waiting, entry)
-        self.recheck()
-        try:
-            entry[2].wait()
-        except BaseException:  # killed (deadline): give up the place, or the slot handed over
-            entry[3] = False
-            if entry[2].is_set():
-                self._release()
-            raise
-        try:
-            yield
-        finally:
-            self._release()
-
-    def recheck(self) -> None:
-        """Hand free slots to the best waiters that are ready."""
-        while self._free and self._waiting:
-            entry = self._waiting[0]
-            if not entry[3]:  # killed while waiting
-                heapq.heappop(self._waiting)
-                continue
-            if self._ready is not None and not self._ready(entry[0]):
-                return  # held back, and so is every later rank
-            heapq.heappop(self._waiting)
-            entry[3] = False
-            self._free -= 1
-            entry[2].set()
-
-    def free(self) -> int:
-        """Slots no one holds."""
-        return self._free
-
-    def _release(self) -> None:
-        self._free += 1
-        self.recheck()

@@ -35,7 +35,7 @@ import requests
 from gevent.lock import BoundedSemaphore
 
 from service.errors import FetchDeadline, FetchError, ImageError
-from service.pipeline.fetch_body import read_body, reason
+from service.pipeline.fetch_body import Pace, Yield, read_body, reason
 from service.pipeline.ssrf import SCHEMES, AddressPolicy, GuardedAdapter, url_not_allowed
 from service.settings import Settings
 
@@ -92,11 +92,13 @@ class _Retry(Exception):
 
 class HttpFetcher:
     """The worker's fetcher. ``session`` (optional) gets the guarded adapters mounted in place of its own;
-    ``policy`` replaces the one built from settings; ``verify`` is requests' TLS verify (a CA bundle path)."""
+    ``policy`` replaces the one built from settings; ``verify`` is requests' TLS verify (a CA bundle path);
+    ``pace`` is what the hub does between chunks of a body (the worker's ``Urgency``)."""
 
     def __init__(self, settings: Settings, session: requests.Session | None = None, *,
-                 policy: AddressPolicy | None = None, verify: bool | str = True) -> None:
+                 policy: AddressPolicy | None = None, verify: bool | str = True, pace: Pace | None = None) -> None:
         self.settings = settings
+        self.pace = pace or Yield()
         self.policy = policy or AddressPolicy.from_settings(settings)
         self.session = _configure(session or requests.Session(), settings, self.policy)
         self.verify = verify
@@ -194,8 +196,8 @@ class HttpFetcher:
                     if resp.status_code == 304:  # a 304 may leave out the validators it confirms
                         found = Validators(found.etag or validators.etag, found.last_modified or
                                            validators.last_modified) if validators else found
-                    return Fetched(read_body(resp, self.settings.max_image_bytes) if resp.status_code == 200 else None, found,
-                                   resp.headers.get("Cache-Control", ""))
+                    body = read_body(resp, self.settings.max_image_bytes, self.pace) if resp.status_code == 200 else None
+                    return Fetched(body, found, resp.headers.get("Cache-Control", ""))
                 raise _status_error(resp)
         raise FetchError(f"more than {self.settings.fetch_max_redirects} redirects; link the image itself or "
                          "raise GREENSERVE_FETCH_MAX_REDIRECTS", code="fetch_failed")
