@@ -132,7 +132,10 @@ def preempting(n_blocks: int = 8, seconds: float = 0.01, **kw: Any) -> tuple[Bat
 
 
 def test_another_callers_image_runs_inside_an_albums_forward_and_a_callers_own_next_image_waits() -> None:
-    b, forward = preempting()
+    from tests.test_batcher import Policy
+
+    policy = Policy(lambda: 0)
+    b, forward = preempting(policy=policy)
     album, search = Caller("backfill"), Caller("search")
     rows = [b.submit(pixel(i), admission=album, tag=float(i)) for i in range(6)]
     gevent.sleep(0.05)  # the album's forward (8 blocks x 6 images x 10 ms) is running
@@ -146,6 +149,7 @@ def test_another_callers_image_runs_inside_an_albums_forward_and_a_callers_own_n
     assert [r.get(timeout=2).features[0] for r in rows] == list(range(6))  # rows routed right after it
     assert later_album.get(timeout=2).features[0] == 50
     assert forward.batches == [list(range(6)), [100], [50]]  # the album's own next image did not cut in
+    assert policy.urgent_calls == [True, False], "only the interjected forward is urgent (decodes and reads wait)"
     b.stop()
 
 
@@ -165,7 +169,8 @@ def test_while_an_album_gathers_its_images_another_callers_image_runs_at_once() 
     from tests.test_batcher import Policy
 
     album = Caller("album", upstream=5)  # more of its images on their way: its batch gathers
-    b, forward = preempting(n_blocks=2, seconds=0.005, policy=Policy(lambda: 5, Gather.WHILE_DECODING))
+    policy = Policy(lambda: 5, Gather.WHILE_DECODING)
+    b, forward = preempting(n_blocks=2, seconds=0.005, policy=policy)
     first = b.submit(pixel(1), admission=album, tag=0.0)
     gevent.sleep(0.05)
     t0 = time.monotonic()
@@ -176,4 +181,5 @@ def test_while_an_album_gathers_its_images_another_callers_image_runs_at_once() 
     b.wake()
     assert first.get(timeout=3).features[0] == 1
     assert forward.batches == [[100], [1]]
+    assert policy.urgent_calls == [True, False], "the one-photo forward is urgent; the album's is not"
     b.stop()

@@ -213,8 +213,8 @@ class Batcher:
         return not self.across_requests or _upstream(admission) > 0
 
     def _run(self, batch: list[Queued], urgent: bool = False) -> None:
-        """One forward. ``urgent``: a short one a person waits on (a streamed answer's first row), so the
-        policy holds new decodes off the cores until it ends: beside an album's decodes it ran 3x slower."""
+        """One forward. ``urgent``: a short one a person waits on (``urgency``: a streamed answer's first row,
+        another caller's images while a batch gathers): decodes and reads wait until it ends."""
         started = time.monotonic()
         pixels = [it.pixels for it in batch]
         interjected = 0.0
@@ -222,7 +222,7 @@ class Batcher:
         self._interject_left = len(batch)  # other callers get at most as many images as it has, meanwhile
         self._interject_soon()  # another caller's images already queued go at its first point
         try:
-            with self._policy.urgent() if urgent and self._policy is not None else nullcontext():
+            with self._urgent(urgent):
                 if self._preemption is not None:
                     self._preemption.expect()
                     outcome, interjected = self._pool.apply(self._preemption.run,
@@ -249,6 +249,9 @@ class Batcher:
                 item.result.set_exception(row)
             else:
                 item.result.set(Row(row[0], row[1], started - item.enqueued, seconds, len(batch)))
+
+    def _urgent(self, urgent: bool) -> AbstractContextManager[None]:
+        return self._policy.urgent() if urgent and self._policy is not None else nullcontext()
 
     # ------------------------------------------------------------------ interjections
 
@@ -283,7 +286,7 @@ class Batcher:
         for item in live:
             self._take(item)
         if live:
-            self._run(live)
+            self._run(live, urgent=True)
 
     def _interject(self) -> None:
         """Offer the images due (``_due``) to the running forward, as one short forward of their own, until
@@ -305,7 +308,8 @@ class Batcher:
                     self._take(item)
                 # its inference time counts from the offer: it waits for the running forward's next point
                 started = time.monotonic()
-                outcome = job.get()
+                with self._urgent(True):
+                    outcome = job.get()
                 self._deliver(live, outcome, started, time.monotonic() - started)
         finally:
             self._interjecting = False

@@ -271,9 +271,8 @@ class Scheduler:
 
     @contextlib.contextmanager
     def urgent(self) -> Iterator[None]:
-        """Around a short forward someone waits on (a streamed answer's first row): no decode starts and no
-        fetched body is read meanwhile (``urgency``). Only when the forward runs on every core: else it has
-        its own (sibling workers busy, a GPU)."""
+        """Around a short forward someone waits on (``urgency``): no decode starts and no fetched body is
+        read meanwhile. Only when the forward runs on every core: else cores are left to the rest."""
         if not self._cores.all_cores():
             yield
             return

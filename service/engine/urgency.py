@@ -1,10 +1,12 @@
-"""Urgent forwards: a short forward a person waits on (a streamed answer's first row) gets the cores.
+"""Urgent forwards: a short forward a person waits on gets the cores. Three are: a streamed answer's first
+row, and another caller's images run inside an album's forward (``preemption``) or while its batch gathers.
 
 While one runs, no decode starts (``Scheduler._may_decode``) and the hub reads no fetched body
 (``Urgency.turn``, between chunks); what is under way finishes. Beside a 30-photo album being fetched and
 decoded, the first row's one-image forward took 220-390 ms instead of ~100: torch's threads wait for each
 other at every layer, and the hub (nice 0) receiving 4.7 MB photos, or a decode thread, on one of their
-cores delays them all. With both held it took 98 ms (docs/SCHEDULING.md, "A streamed answer's first row").
+cores delays them all. With both held it took 98 ms; a one-photo caller beside 4 albums saw its p99 at
+1.57x idle instead of 1.94x (docs/SCHEDULING.md, "Urgent forwards").
 Reads wait at most ``HOLD_MAX_S`` per forward, so a slow model never stalls the fetches for long.
 """
 
