@@ -134,6 +134,26 @@ def test_over_http_the_heavy_caller_gets_429_and_the_others_are_served() -> None
     assert 'greenserve_caller_requests_total{source="header"}' in metrics and "backfill" not in metrics
 
 
+def test_after_a_streamed_first_row_the_next_batch_gathers_from_when_the_hold_ended() -> None:
+    """The first row's forward holds reads and decodes, so no image comes meanwhile: that silence is not a gap
+    in the fetches, and the next batch still gathers (it went with the 2 images decoded before the hold)."""
+    fwd = Forward(delay_s=0.1)
+    coming = [5]
+    b = make(fwd, max_batch=8, max_wait_s=0.0, policy=Policy(lambda: coming[0], Gather.BRIDGE_GAPS))
+    streamed = _Streamed()
+    first = b.submit(pixel(1), admission=streamed, tag=0.0)
+    gevent.sleep(0.02)  # its forward runs: two images decoded before the hold are queued
+    rest = [b.submit(pixel(2 + i), admission=streamed, tag=1.0 + i) for i in range(2)]
+    first.get(timeout=2)
+    rest.append(b.submit(pixel(4), admission=streamed, tag=3.0))  # the first image after the hold
+    streamed.upstream = coming[0] = 0
+    b.wake()
+    for r in rest:
+        r.get(timeout=3)
+    assert fwd.sizes == [1, 3], fwd.sizes
+    b.stop()
+
+
 def test_forwards_are_short_only_while_callers_share_the_worker() -> None:
     callers = Callers(Settings(fair_quantum_ms=250))
     callers.admit("backfill", 30, seconds_per_image=0.05)

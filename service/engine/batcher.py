@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -250,8 +250,16 @@ class Batcher:
             else:
                 item.result.set(Row(row[0], row[1], started - item.enqueued, seconds, len(batch)))
 
-    def _urgent(self, urgent: bool) -> AbstractContextManager[None]:
-        return self._policy.urgent() if urgent and self._policy is not None else nullcontext()
+    @contextmanager
+    def _urgent(self, urgent: bool) -> Iterator[None]:
+        if not urgent or self._policy is None:
+            yield
+            return
+        with self._policy.urgent():
+            yield
+        # reads and decodes were held, so nothing could arrive: a gathering batch's gap starts now (else the
+        # album's next batch went with the 2 images decoded before the hold, as if its fetches were behind)
+        self._last_submit = time.monotonic()
 
     # ------------------------------------------------------------------ interjections
 
