@@ -123,7 +123,7 @@ def _run(args: argparse.Namespace) -> None:
 
     from service.engine.loading import load_model
     from service.pipeline.decode import configure_pillow
-    from service.pipeline.orchestrate import decode_and_crop
+    from service.pipeline.prepare import decode_and_crop
 
     torch.set_num_threads(args.threads)
     configure_pillow(MAX_PIXELS)

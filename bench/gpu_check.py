@@ -210,7 +210,7 @@ class Run:
         from bench.report import album_facts
         from service.engine.loading import load_model
         from service.pipeline.decode import configure_pillow
-        from service.pipeline.orchestrate import decode_and_crop
+        from service.pipeline.prepare import decode_and_crop
 
         (count, side), t0, name = self.args.album, time.monotonic(), self.args.model
         self.album_dir = album.DEFAULT_DIR.parent / ("album" if count == 30 and not side else f"album-{count}-{side}")

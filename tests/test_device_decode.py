@@ -17,7 +17,7 @@ from service.engine.types import EncodedJpeg, Transform
 from service.errors import ImageTooLarge, NotAnImage, UnsupportedImage
 from service.pipeline import device_decode
 from service.pipeline.decode import configure_pillow, jpeg_for_device, open_checked
-from service.pipeline.orchestrate import checked_for_device, decode_and_crop
+from service.pipeline.prepare import checked_for_device, decode_and_crop
 from tests import images
 
 pytestmark = pytest.mark.slow  # real models: not in make test-fast

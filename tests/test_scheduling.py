@@ -332,3 +332,21 @@ def test_reads_wait_while_an_urgent_forward_runs_at_most_hold_max() -> None:
     t0 = time.monotonic()
     urgency.turn()
     assert time.monotonic() - t0 < 0.05
+
+
+@pytest.mark.parametrize("all_cores", [True, False])
+def test_a_streamed_answers_first_decode_holds_the_reads_but_not_the_other_decodes(all_cores: bool) -> None:
+    scheduler = Scheduler(Settings.from_env({}), 2, AllCores(all_cores))
+    started: list[str] = []
+
+    def decode(name: str, rank: tuple[float, int], caller: str) -> None:
+        with scheduler.decode_slot(rank, caller):
+            started.append(name)
+
+    with scheduler.admit(3, arrived=1.0, caller="album"), scheduler.first_decode():
+        reader = gevent.spawn(scheduler.urgency.turn)
+        other = gevent.spawn(decode, "album 1", (2.0, 1), "album")
+        gevent.sleep(0.05)
+        assert started == ["album 1"] and reader.dead is not all_cores
+    reader.join(timeout=1)
+    assert reader.dead and other.dead

@@ -38,7 +38,7 @@ from service.engine.loading import load_model
 from service.engine.model import LoadedModel
 from service.pipeline import postprocess
 from service.pipeline.decode import configure_pillow
-from service.pipeline.orchestrate import decode_and_crop
+from service.pipeline.prepare import decode_and_crop
 
 log = logging.getLogger("bench.asyncio")
 

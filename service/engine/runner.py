@@ -174,6 +174,10 @@ class Runner:
         """Until this request's turn to fetch comes (``Scheduler.wait_to_fetch``)."""
         self.scheduling.wait_to_fetch(admission)
 
+    def first_decode(self) -> contextlib.AbstractContextManager[None]:
+        """Around a streamed answer's first decode (``Scheduler.first_decode``)."""
+        return self.scheduling.first_decode()
+
     def admitted(self) -> int:
         """Images admitted and not yet answered, on this worker."""
         return self.scheduling.admitted()

@@ -283,6 +283,11 @@ class Scheduler:
             self.urgency.end()
             self._decode.recheck()
 
+    def first_decode(self) -> contextlib.AbstractContextManager[None]:
+        """Around a streamed answer's first image's decode: the hub reads no fetched body meanwhile
+        (``urgency``), on every core only, as ``urgent``."""
+        return self.urgency.reads_held() if self._cores.all_cores() else contextlib.nullcontext()
+
     def taken(self, tag: float) -> None:
         """An image tagged ``tag`` left the batcher's queue for a batch: fair time moves on to it, and a
         held-back decode may go now."""

@@ -15,6 +15,7 @@ a texts-only request goes straight to the text tower (``run_texts``).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -30,14 +31,13 @@ from service.cache.tiers import EmbeddingCache
 from service.engine.batcher import Row
 from service.engine.runner import Runner
 from service.engine.scheduling import Admission
-from service.engine.types import EncodedJpeg, ModelInfo, Transform
+from service.engine.types import EncodedJpeg, ModelInfo
 from service.errors import DeadlineExceeded, FetchDeadline, ImageError, ImagesFailed
 from service.pipeline import answers
 from service.pipeline.answers import Spans
-from service.pipeline.decode import decode_image, decode_opened, jpeg_for_device, open_checked
 from service.pipeline.device_decode import DeviceDecodeFailed
 from service.pipeline.fetch import Fetched, Fetcher
-from service.pipeline.preprocess import preprocess
+from service.pipeline.prepare import checked_for_device, decode_and_crop
 from service.pipeline.recall import CacheTally, Recall, model_id
 from service.pipeline.requests import ImageRef, InferenceRequest
 from service.pipeline.text_encoder import TextEncoder
@@ -93,6 +93,7 @@ class _Work:
     recall: Recall | None  # the embedding cache's part in this request; None with GREENSERVE_CACHE=off
     prompts: np.ndarray | None = None
     aborted: bool = False
+    led: bool = False  # streamed: its first image to arrive has been decoded, or is being decoded
 
     def settle(self, ref: ImageRef, outcome: Row | ImageError) -> None:
         """``ref``'s outcome, told to ``progress`` (if any) as its answer at once."""
@@ -105,21 +106,6 @@ class _Work:
         if not self.aborted:
             self.aborted = True
             gevent.kill(self.request, _ImageFailed())
-
-
-def decode_and_crop(data: bytes, transform: Transform, max_pixels: int) -> np.ndarray:
-    """Runs in a decode thread: safe decode (JPEG draft at the resize size) then resize + crop."""
-    return preprocess(decode_image(data, max_pixels=max_pixels, draft_size=transform.resize_size), transform)
-
-
-def checked_for_device(data: bytes, transform: Transform, max_pixels: int) -> np.ndarray | EncodedJpeg:
-    """Runs in a decode thread when the model decodes JPEGs on its device: a JPEG that passes the header
-    checks goes on encoded; anything else is decoded and cropped here, as without device decoding."""
-    img = open_checked(data, max_pixels)  # header only: opened once, whichever way it is decoded
-    jpeg = jpeg_for_device(img, data)
-    if jpeg is not None:
-        return jpeg
-    return preprocess(decode_opened(img, data, draft_size=transform.resize_size), transform)
 
 
 class Orchestrator:
@@ -265,8 +251,11 @@ class Orchestrator:
             known = None if work.recall is None or isinstance(got, ImageError) else work.recall.recall(ref.index, ref.url, got)
             if known is not None:
                 return work.settle(ref, Row(known.features, known.logits, 0.0, 0.0, 0))
+            lead = work.progress is not None and not work.led  # its decode holds the reads: the first line
+            work.led = True
             try:
-                pixels = self._decode(ref, data, work)
+                with self.runner.first_decode() if lead else contextlib.nullcontext():
+                    pixels = self._decode(ref, data, work)
             except ImageError as err:
                 return self._unusable(req, ref, err, work)
             result = self.runner.infer(pixels, work.deadline, work.admission)  # no yield before the exit
