@@ -7,7 +7,9 @@ servers in rotating order:
 
 - alone     one photo (the album's first) alone, 3 times: the latency a caller sees on an idle server
 - stream    the album streamed (Accept: application/x-ndjson): its first line's time and its total, beside
-            the same album not streamed, 3 of each in turn, medians (servers that do not stream: skipped)
+            the same album not streamed, 4 of each in turn, medians (servers that do not stream: skipped).
+            The pairs alternate which goes first (stream-plain, plain-stream, ...): an album right
+            after the idle "alone" requests, or after the other kind, ran at a different speed
 - idle      a "search" caller (X-Client-ID) sending that photo one request after another: p50 / p99
 - shared    the same while a "backfill" caller keeps 4 x 30-photo albums in flight (4 clients, closed
             loop): the search caller's p50 / p99, and both callers' statuses
@@ -42,7 +44,7 @@ OUT = ROOT / "bench" / "out"
 LIMITS = {"GREENSERVE_MAX_QUEUE_IMAGES": "512", "GREENSERVE_REQUEST_TIMEOUT_S": "300", "GREENSERVE_DTYPE": "float32",
           "GREENSERVE_FETCH_TIMEOUT_S": "60"}
 CAP = 60
-PAIRS = 3  # streamed and plain albums per server and round (medians)
+PAIRS = 4  # streamed and plain albums per server and round (medians), in both orders alike
 
 
 def stream_once(port: int, body: dict[str, Any]) -> tuple[float, float] | None:
@@ -96,12 +98,15 @@ def one_round(srv: GunicornServer, names: list[str], seconds: float, capped: boo
     if not capped:
         row["alone_ms"] = round(statistics.median(plain_once(srv.port, {"images": names[:1]}) for _ in range(3)) * 1000, 1)
         firsts, streams, plains = [], [], []
-        for _ in range(PAIRS):  # in turn, so the host's drift lands on both alike
+        for pair in range(PAIRS):  # in turn and in both orders, so the host's drift lands on both alike
+            if pair % 2:
+                plains.append(plain_once(srv.port, {"images": names}))
             streamed = stream_once(srv.port, {"images": names})
             if streamed is not None:
                 firsts.append(streamed[0])
                 streams.append(streamed[1])
-            plains.append(plain_once(srv.port, {"images": names}))
+            if not pair % 2:
+                plains.append(plain_once(srv.port, {"images": names}))
         if streams:
             row["stream_first_s"] = round(statistics.median(firsts), 2)
             row["stream_total_s"] = round(statistics.median(streams), 2)
