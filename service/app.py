@@ -50,7 +50,7 @@ def create_app(settings: Settings | None = None, *, model: Model | None = None,
                     loader=None if model else functools.partial(load_for_worker, settings, balance.slot, device_decode,
                                                                   balance.memo))
     texts = TextEncoder(runner, settings.label_cache_size)
-    fetcher = fetcher or HttpFetcher(settings, pace=runner.scheduling.urgency)  # reads wait for an urgent forward
+    fetcher = fetcher or HttpFetcher(settings, pace=runner.scheduling.urgency)  # reads wait while urgent work runs
     orchestrator = Orchestrator(runner, fetcher, texts, max_pixels=settings.max_image_pixels,
                                 on_image_error=lambda err: metrics.IMAGE_ERRORS.labels(err.code).inc(),
                                 cache=cache if cache is not None else tiers.from_settings(settings))

@@ -8,7 +8,7 @@ decoded, the first row's one-image forward took 220-390 ms instead of ~100: torc
 other at every layer, and the hub (nice 0) receiving 4.7 MB photos, or a decode thread, on one of their
 cores delays them all. With both held it took 98 ms; a one-photo caller beside 4 albums saw its p99 at
 1.57x idle instead of 1.94x. Holding the reads while the first image decodes too brought the first line
-from ~+40 ms to ~+4 ms over one photo alone (docs/SCHEDULING.md, "Urgent forwards"). Reads wait at most
+from ~+40 ms to ~+13 ms over one photo alone (docs/SCHEDULING.md, "Urgent forwards"). Reads wait at most
 ``HOLD_MAX_S`` per hold, so a slow model never stalls the fetches for long.
 """
 
