@@ -12,7 +12,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -96,16 +96,18 @@ class FairQueue:
 
     def has_others(self, batch: Iterable[Queued]) -> bool:
         """Whether an image of a caller with no image in ``batch`` is queued (``others``, without the sort)."""
-        callers = {item.caller for item in batch}
-        return any(item.admission is not None and item.caller not in callers for _, item in self._heap)
+        return next(self._of_others(batch), None) is not None
 
     def others(self, batch: Iterable[Queued], most: int) -> list[Queued]:
         """Up to ``most`` queued images, in fair order, of callers with no image in ``batch``."""
         if most <= 0:
             return []
+        return [item for _, item in sorted(self._of_others(batch))][:most]
+
+    def _of_others(self, batch: Iterable[Queued]) -> Iterator[tuple[tuple[float, int], Queued]]:
+        """The queue's entries, in no order, of callers with no image in ``batch``."""
         callers = {item.caller for item in batch}
-        return [item for _, item in sorted(self._heap)
-                if item.admission is not None and item.caller not in callers][:most]
+        return (entry for entry in self._heap if entry[1].admission is not None and entry[1].caller not in callers)
 
     def remove(self, items: Iterable[Queued]) -> None:
         chosen = {id(item) for item in items}

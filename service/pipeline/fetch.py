@@ -35,7 +35,7 @@ import requests
 from gevent.lock import BoundedSemaphore
 
 from service.errors import FetchDeadline, FetchError, ImageError
-from service.pipeline.fetch_body import Pace, Yield, read_body, reason
+from service.pipeline.fetch_body import YIELD, Pace, read_body, reason
 from service.pipeline.ssrf import SCHEMES, AddressPolicy, GuardedAdapter, url_not_allowed
 from service.settings import Settings
 
@@ -98,7 +98,7 @@ class HttpFetcher:
     def __init__(self, settings: Settings, session: requests.Session | None = None, *,
                  policy: AddressPolicy | None = None, verify: bool | str = True, pace: Pace | None = None) -> None:
         self.settings = settings
-        self.pace = pace or Yield()
+        self.pace = pace or YIELD
         self.policy = policy or AddressPolicy.from_settings(settings)
         self.session = _configure(session or requests.Session(), settings, self.policy)
         self.verify = verify
