@@ -91,10 +91,10 @@ def header(doc: dict[str, Any]) -> str:
 
 
 def rows_table(rows: list[dict[str, Any]]) -> str:
-    """A Markdown table of rows that share their keys (the keys are the columns, in order)."""
+    """A Markdown table whose columns are the first row's keys, in order (a later row may leave some out)."""
     cols = list(rows[0])
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    return "\n".join(lines + ["| " + " | ".join(str(r[c]) for c in cols) + " |" for r in rows])
+    return "\n".join(lines + ["| " + " | ".join(str(r.get(c, "")) for c in cols) + " |" for r in rows])
 
 
 def _best_bare(doc: dict[str, Any]) -> float:

@@ -7,15 +7,18 @@ servers in rotating order:
 
 - alone     one photo (the album's first) alone, 3 times: the latency a caller sees on an idle server
 - stream    the album streamed (Accept: application/x-ndjson): its first line's time and its total, beside
-            the same album not streamed, 4 of each in turn, medians (servers that do not stream: skipped).
+            the same album not streamed, ``--pairs`` of each in turn (servers that do not stream: skipped).
             The pairs alternate which goes first (stream-plain, plain-stream, ...): an album right
-            after the idle "alone" requests, or after the other kind, ran at a different speed
+            after the idle "alone" requests, or after the other kind, ran at a different speed. Each pair's
+            streamed / plain ratio is kept; the table shows their median, per round and over all rounds
+            (one 30-image forward varies by +-5% from album to album, the bound is 2%)
 - idle      a "search" caller (X-Client-ID) sending that photo one request after another: p50 / p99
 - shared    the same while a "backfill" caller keeps 4 x 30-photo albums in flight (4 clients, closed
             loop): the search caller's p50 / p99, and both callers' statuses
 - capped    on the capped server: the same; the backfill gets 429 over_share at its cap, search is served
 
-Prints the command, the machine and a table of ratios measured in the same round; writes
+Prints the command, the machine and a table of ratios measured in the same round (and pooled over the
+rounds: "all"); writes
 bench/out/stream.json.
 """
 
@@ -44,7 +47,7 @@ OUT = ROOT / "bench" / "out"
 LIMITS = {"GREENSERVE_MAX_QUEUE_IMAGES": "512", "GREENSERVE_REQUEST_TIMEOUT_S": "300", "GREENSERVE_DTYPE": "float32",
           "GREENSERVE_FETCH_TIMEOUT_S": "60"}
 CAP = 60
-PAIRS = 4  # streamed and plain albums per server and round (medians), in both orders alike
+PAIRS = 6  # streamed and plain albums per server and round, in both orders alike
 
 
 def stream_once(port: int, body: dict[str, Any]) -> tuple[float, float] | None:
@@ -93,24 +96,31 @@ def shared(port: int, names: list[str], seconds: float) -> dict[str, Any]:
     return {**search, "backfill": dict(statuses)}
 
 
-def one_round(srv: GunicornServer, names: list[str], seconds: float, capped: bool) -> dict[str, Any]:
+def pairs(port: int, names: list[str], n: int) -> dict[str, Any]:
+    """``n`` streamed albums and ``n`` plain ones, in turn and in both orders, so the host's drift lands on
+    both alike: each pair's times (ms) and streamed / plain ratio. Empty when the server does not stream."""
+    firsts, streams, plains = [], [], []
+    for pair in range(n):
+        if pair % 2:
+            plains.append(plain_once(port, {"images": names}))
+        streamed = stream_once(port, {"images": names})
+        if streamed is None:
+            return {}
+        firsts.append(streamed[0])
+        streams.append(streamed[1])
+        if not pair % 2:
+            plains.append(plain_once(port, {"images": names}))
+    return {"stream_first_ms": [round(f * 1000, 1) for f in firsts],
+            "stream_total_ms": [round(t * 1000, 1) for t in streams],
+            "plain_total_ms": [round(t * 1000, 1) for t in plains],
+            "ratios": [round(t / p, 4) for t, p in zip(streams, plains, strict=True)]}
+
+
+def one_round(srv: GunicornServer, names: list[str], seconds: float, capped: bool, n_pairs: int) -> dict[str, Any]:
     row: dict[str, Any] = {}
     if not capped:
         row["alone_ms"] = round(statistics.median(plain_once(srv.port, {"images": names[:1]}) for _ in range(3)) * 1000, 1)
-        firsts, streams, plains = [], [], []
-        for pair in range(PAIRS):  # in turn and in both orders, so the host's drift lands on both alike
-            if pair % 2:
-                plains.append(plain_once(srv.port, {"images": names}))
-            streamed = stream_once(srv.port, {"images": names})
-            if streamed is not None:
-                firsts.append(streamed[0])
-                streams.append(streamed[1])
-            if not pair % 2:
-                plains.append(plain_once(srv.port, {"images": names}))
-        if streams:
-            row["stream_first_s"] = round(statistics.median(firsts), 2)
-            row["stream_total_s"] = round(statistics.median(streams), 2)
-        row["plain_total_s"] = round(statistics.median(plains), 2)
+        row.update(pairs(srv.port, names, n_pairs))
         row["idle"] = search_loop(srv.port, names[0], seconds / 3)
     row["shared"] = shared(srv.port, names, seconds)
     return row
@@ -122,6 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--seconds", type=float, default=30.0, help="the shared window, per server and round")
     parser.add_argument("--root", type=Path, action="append", help="a checkout whose greenserve runs (repeatable)")
+    parser.add_argument("--pairs", type=int, default=PAIRS, help="streamed and plain albums per server and round")
     args = parser.parse_args(argv)
     roots = args.root or [ROOT]
     info = start("bench.stream_bench", args.model, argv)
@@ -143,10 +154,10 @@ def main(argv: list[str] | None = None) -> int:
             row: dict[str, Any] = {"round": r + 1}
             for label in labels[r % len(labels):] + labels[:r % len(labels)]:
                 capped, srv = servers[label]
-                row[label] = one_round(srv, names, args.seconds, capped)
+                row[label] = one_round(srv, names, args.seconds, capped, args.pairs)
                 print(f"   round {r + 1} {label}: {json.dumps(row[label])}", flush=True)
             rounds.append(row)
-    print(rows_table(_table(rounds, labels)), flush=True)
+    print(rows_table(_table(rounds, labels) + _pooled(rounds, labels)), flush=True)
     OUT.mkdir(parents=True, exist_ok=True)
     path = OUT / "stream.json"
     path.write_text(json.dumps({"machine": info, "rounds": rounds}, indent=1))
@@ -161,10 +172,7 @@ def _table(rounds: list[dict[str, Any]], labels: list[str]) -> list[dict[str, An
             s = row[label]
             out: dict[str, Any] = {"round": row["round"], "server": label}
             if "alone_ms" in s:
-                out["first line - alone (ms)"] = (f"{s['stream_first_s'] * 1000 - s['alone_ms']:.0f}"
-                                                  if "stream_first_s" in s else "-")
-                out["streamed / plain total"] = (f"{s['stream_total_s'] / s['plain_total_s']:.3f}"
-                                                 if "stream_total_s" in s else "-")
+                out.update(_stream_columns(s.get("stream_first_ms", []), [s["alone_ms"]], s.get("ratios", [])))
                 out["search p99 idle (ms)"] = s["idle"]["p99_ms"]
             else:
                 out["first line - alone (ms)"] = out["streamed / plain total"] = out["search p99 idle (ms)"] = "-"
@@ -175,6 +183,26 @@ def _table(rounds: list[dict[str, Any]], labels: list[str]) -> list[dict[str, An
             out["search statuses"] = json.dumps(sh["statuses"])
             out["backfill statuses"] = json.dumps(sh["backfill"])
             rows.append(out)
+    return rows
+
+
+def _stream_columns(firsts: list[float], alones: list[float], ratios: list[float]) -> dict[str, str]:
+    """The first line's median less one photo alone's, and the median of the pairs' streamed / plain."""
+    if not ratios:
+        return {"first line - alone (ms)": "-", "streamed / plain total": "-"}
+    return {"first line - alone (ms)": f"{statistics.median(firsts) - statistics.median(alones):.0f}",
+            "streamed / plain total": f"{statistics.median(ratios):.3f} ({len(ratios)} pairs)"}
+
+
+def _pooled(rounds: list[dict[str, Any]], labels: list[str]) -> list[dict[str, Any]]:
+    """One row a streaming server: every round's pairs together (each round's "alone" median pooled too)."""
+    rows = []
+    for label in labels:
+        done = [row[label] for row in rounds if row[label].get("ratios")]
+        if done:
+            rows.append({"round": "all", "server": label, **_stream_columns(
+                [f for s in done for f in s["stream_first_ms"]], [s["alone_ms"] for s in done],
+                [r for s in done for r in s["ratios"]])})
     return rows
 
 
