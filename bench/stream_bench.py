@@ -7,7 +7,8 @@ servers in rotating order:
 
 - alone     one photo (the album's first) alone, 3 times: the latency a caller sees on an idle server
 - stream    the album streamed (Accept: application/x-ndjson): its first line's time and its total, beside
-            the same album not streamed, ``--pairs`` of each in turn (servers that do not stream: skipped).
+            the same album not streamed, ``--pairs`` of each in turn, and the forwards each took (from
+            /metrics; servers that do not stream: skipped).
             The pairs alternate which goes first (stream-plain, plain-stream, ...): an album right
             after the idle "alone" requests, or after the other kind, ran at a different speed. Each pair's
             streamed / plain ratio is kept; the table shows their median, per round and over all rounds
@@ -96,24 +97,47 @@ def shared(port: int, names: list[str], seconds: float) -> dict[str, Any]:
     return {**search, "backfill": dict(statuses)}
 
 
+def forwards(port: int) -> int:
+    """The image forwards the server has run (``greenserve_batch_size_count``)."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    conn.request("GET", "/metrics")
+    text = conn.getresponse().read().decode()
+    conn.close()
+    return sum(int(float(line.split()[-1])) for line in text.splitlines()
+               if line.startswith("greenserve_batch_size_count"))
+
+
 def pairs(port: int, names: list[str], n: int) -> dict[str, Any]:
     """``n`` streamed albums and ``n`` plain ones, in turn and in both orders, so the host's drift lands on
-    both alike: each pair's times (ms) and streamed / plain ratio. Empty when the server does not stream."""
-    firsts, streams, plains = [], [], []
+    both alike: each pair's times (ms), forwards and streamed / plain ratio. Empty when the server does not
+    stream."""
+    firsts: list[float] = []
+    streams: list[float] = []
+    plains: list[float] = []
+    splits: dict[str, list[int]] = {"stream": [], "plain": []}
+
+    def plain() -> None:
+        before = forwards(port)
+        plains.append(plain_once(port, {"images": names}))
+        splits["plain"].append(forwards(port) - before)
+
     for pair in range(n):
         if pair % 2:
-            plains.append(plain_once(port, {"images": names}))
+            plain()
+        before = forwards(port)
         streamed = stream_once(port, {"images": names})
         if streamed is None:
             return {}
+        splits["stream"].append(forwards(port) - before)
         firsts.append(streamed[0])
         streams.append(streamed[1])
         if not pair % 2:
-            plains.append(plain_once(port, {"images": names}))
+            plain()
     return {"stream_first_ms": [round(f * 1000, 1) for f in firsts],
             "stream_total_ms": [round(t * 1000, 1) for t in streams],
             "plain_total_ms": [round(t * 1000, 1) for t in plains],
-            "ratios": [round(t / p, 4) for t, p in zip(streams, plains, strict=True)]}
+            "ratios": [round(t / p, 4) for t, p in zip(streams, plains, strict=True)],
+            "stream_forwards": splits["stream"], "plain_forwards": splits["plain"]}
 
 
 def one_round(srv: GunicornServer, names: list[str], seconds: float, capped: bool, n_pairs: int) -> dict[str, Any]:
@@ -172,10 +196,12 @@ def _table(rounds: list[dict[str, Any]], labels: list[str]) -> list[dict[str, An
             s = row[label]
             out: dict[str, Any] = {"round": row["round"], "server": label}
             if "alone_ms" in s:
-                out.update(_stream_columns(s.get("stream_first_ms", []), [s["alone_ms"]], s.get("ratios", [])))
+                out.update(_stream_columns(s.get("stream_first_ms", []), [s["alone_ms"]], s.get("ratios", []),
+                                           (s.get("stream_forwards", []), s.get("plain_forwards", []))))
                 out["search p99 idle (ms)"] = s["idle"]["p99_ms"]
             else:
-                out["first line - alone (ms)"] = out["streamed / plain total"] = out["search p99 idle (ms)"] = "-"
+                out.update(_stream_columns([], [], [], ([], [])))
+                out["search p99 idle (ms)"] = "-"
             sh = s["shared"]
             out["search p99 shared (ms)"] = sh["p99_ms"]
             out["shared / idle p99"] = (f"{sh['p99_ms'] / s['idle']['p99_ms']:.2f}"
@@ -186,12 +212,15 @@ def _table(rounds: list[dict[str, Any]], labels: list[str]) -> list[dict[str, An
     return rows
 
 
-def _stream_columns(firsts: list[float], alones: list[float], ratios: list[float]) -> dict[str, str]:
-    """The first line's median less one photo alone's, and the median of the pairs' streamed / plain."""
+def _stream_columns(firsts: list[float], alones: list[float], ratios: list[float],
+                    splits: tuple[list[int], list[int]]) -> dict[str, str]:
+    """The first line's median less one photo alone's, the median of the pairs' streamed / plain, and the
+    forwards an album took (mean, streamed / plain)."""
     if not ratios:
-        return {"first line - alone (ms)": "-", "streamed / plain total": "-"}
+        return {"first line - alone (ms)": "-", "streamed / plain total": "-", "forwards streamed / plain": "-"}
     return {"first line - alone (ms)": f"{statistics.median(firsts) - statistics.median(alones):.0f}",
-            "streamed / plain total": f"{statistics.median(ratios):.3f} ({len(ratios)} pairs)"}
+            "streamed / plain total": f"{statistics.median(ratios):.3f} ({len(ratios)} pairs)",
+            "forwards streamed / plain": f"{statistics.mean(splits[0]):.1f} / {statistics.mean(splits[1]):.1f}"}
 
 
 def _pooled(rounds: list[dict[str, Any]], labels: list[str]) -> list[dict[str, Any]]:
@@ -202,7 +231,8 @@ def _pooled(rounds: list[dict[str, Any]], labels: list[str]) -> list[dict[str, A
         if done:
             rows.append({"round": "all", "server": label, **_stream_columns(
                 [f for s in done for f in s["stream_first_ms"]], [s["alone_ms"] for s in done],
-                [r for s in done for r in s["ratios"]])})
+                [r for s in done for r in s["ratios"]],
+                ([k for s in done for k in s["stream_forwards"]], [k for s in done for k in s["plain_forwards"]]))})
     return rows
 
 
