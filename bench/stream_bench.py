@@ -114,12 +114,12 @@ def pairs(port: int, names: list[str], n: int) -> dict[str, Any]:
     firsts: list[float] = []
     streams: list[float] = []
     plains: list[float] = []
-    splits: dict[str, list[int]] = {"stream": [], "plain": []}
+    n_forwards: dict[str, list[int]] = {"stream": [], "plain": []}
 
     def plain() -> None:
         before = forwards(port)
         plains.append(plain_once(port, {"images": names}))
-        splits["plain"].append(forwards(port) - before)
+        n_forwards["plain"].append(forwards(port) - before)
 
     for pair in range(n):
         if pair % 2:
@@ -128,7 +128,7 @@ def pairs(port: int, names: list[str], n: int) -> dict[str, Any]:
         streamed = stream_once(port, {"images": names})
         if streamed is None:
             return {}
-        splits["stream"].append(forwards(port) - before)
+        n_forwards["stream"].append(forwards(port) - before)
         firsts.append(streamed[0])
         streams.append(streamed[1])
         if not pair % 2:
@@ -137,7 +137,7 @@ def pairs(port: int, names: list[str], n: int) -> dict[str, Any]:
             "stream_total_ms": [round(t * 1000, 1) for t in streams],
             "plain_total_ms": [round(t * 1000, 1) for t in plains],
             "ratios": [round(t / p, 4) for t, p in zip(streams, plains, strict=True)],
-            "stream_forwards": splits["stream"], "plain_forwards": splits["plain"]}
+            "stream_forwards": n_forwards["stream"], "plain_forwards": n_forwards["plain"]}
 
 
 def one_round(srv: GunicornServer, names: list[str], seconds: float, capped: bool, n_pairs: int) -> dict[str, Any]:
@@ -213,14 +213,14 @@ def _table(rounds: list[dict[str, Any]], labels: list[str]) -> list[dict[str, An
 
 
 def _stream_columns(firsts: list[float], alones: list[float], ratios: list[float],
-                    splits: tuple[list[int], list[int]]) -> dict[str, str]:
+                    n_forwards: tuple[list[int], list[int]]) -> dict[str, str]:
     """The first line's median less one photo alone's, the median of the pairs' streamed / plain, and the
     forwards an album took (mean, streamed / plain)."""
     if not ratios:
         return {"first line - alone (ms)": "-", "streamed / plain total": "-", "forwards streamed / plain": "-"}
     return {"first line - alone (ms)": f"{statistics.median(firsts) - statistics.median(alones):.0f}",
             "streamed / plain total": f"{statistics.median(ratios):.3f} ({len(ratios)} pairs)",
-            "forwards streamed / plain": f"{statistics.mean(splits[0]):.1f} / {statistics.mean(splits[1]):.1f}"}
+            "forwards streamed / plain": f"{statistics.mean(n_forwards[0]):.1f} / {statistics.mean(n_forwards[1]):.1f}"}
 
 
 def _pooled(rounds: list[dict[str, Any]], labels: list[str]) -> list[dict[str, Any]]:
