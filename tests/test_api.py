@@ -192,7 +192,8 @@ def test_images_that_fail_on_the_way_are_not_waited_for(model: FakeModel, fetche
     assert r.status_code == 200 and len(r.json["data"]) == 1
     assert time.monotonic() - t0 < 0.8, "the batch waited for images that had already failed"
     runner = client.application.extensions["greenserve"]["runner"]
-    assert (runner.scheduling.upstream(), runner.scheduling.admitted()) == (0, 0)
+    view = runner.scheduling.view()
+    assert (view.upstream, view.admitted) == (0, 0)
 
 
 def test_server_timing_header_on_every_response(client: FlaskClient) -> None:

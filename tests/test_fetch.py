@@ -20,7 +20,7 @@ import gevent
 import pytest
 
 from harness.imagehost import Canary, ImageHost
-from service.engine.urgency import Urgency
+from service.engine.scheduling.urgency import Urgency
 from service.errors import ImageError
 from service.pipeline import fetch_body
 from service.pipeline.fetch import HttpFetcher
@@ -183,11 +183,10 @@ def test_a_long_read_waits_between_chunks_while_an_urgent_forward_runs(host: Ima
     forward someone waits on has the cores, and goes on when it ends."""
     urgency = Urgency()
     fetcher = HttpFetcher(Settings(image_base_url=host.base_url, fetch_timeout_s=3.0), pace=urgency)
-    urgency.begin()
-    reading = gevent.spawn(fetcher.fetch, host.url("zeros.jpg", t="urgent"))
-    gevent.sleep(0.2)
-    assert not reading.dead, "read through an urgent forward"
-    urgency.end()
+    with urgency.forward():
+        reading = gevent.spawn(fetcher.fetch, host.url("zeros.jpg", t="urgent"))
+        gevent.sleep(0.2)
+        assert not reading.dead, "read through an urgent forward"
     assert reading.get(timeout=3) == BLOBS["zeros.jpg"]
 
 

@@ -8,7 +8,7 @@ import struct
 import numpy as np
 import pytest
 
-from service.engine.batcher import Row
+from service.engine.types import Row
 from service.errors import PayloadTooLarge, RequestError
 from service.http.protocols import needs_token
 from service.http.protocols import oip_wire as wire

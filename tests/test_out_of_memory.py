@@ -10,14 +10,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from gevent.threadpool import ThreadPool
 from torch import nn
 
+from harness import batching
 from service.app import create_app
-from service.engine.batcher import Batcher, Row
-from service.engine.forwarding import Outputs
 from service.engine.model import LoadedModel
-from service.engine.types import ModelInfo, Transform
+from service.engine.types import BatchOutputs, ModelInfo, Row, Transform
 from service.errors import OutOfMemory
 from service.settings import Settings
 from tests.fakes import FakeFetcher
@@ -73,8 +71,9 @@ def test_another_runtime_error_is_not_taken_for_memory() -> None:
 
 
 def run_through_batcher(model: LoadedModel, values: list[int]) -> list[Row | BaseException]:
-    b = Batcher(model.forward, ThreadPool(1), max_batch=len(values), max_wait_s=0.05)
-    results = [b.submit(c) for c in crops(values)]
+    b, scheduler = batching.batcher(model.forward, max_batch=len(values), max_wait_s=0.05, start=False)
+    with scheduler.admit(len(values), coming=0) as request:
+        results = [b.submit(c, None, request) for c in crops(values)]
     b.start()
     try:
         out: list[Row | BaseException] = []
@@ -136,8 +135,10 @@ def test_decoding_on_the_device_out_of_memory_splits_the_batch_too(monkeypatch: 
     model.decoder = device_decode
     blobs = [images.jpeg(64, 48, seed=i) for i in range(4)]
     jpegs = [jpeg_for_device(open_checked(b, 10**6), b) for b in blobs]
-    b = Batcher(lambda batch: Outputs(*model.forward_items(batch)), ThreadPool(1), max_batch=4, max_wait_s=0.05)
-    results = [b.submit(j) for j in jpegs]
+    b, scheduler = batching.batcher(lambda batch: BatchOutputs(*model.forward_items(batch)), max_batch=4,
+                                    max_wait_s=0.05, start=False)
+    with scheduler.admit(len(jpegs), coming=0) as request:
+        results = [b.submit(j, None, request) for j in jpegs]
     b.start()
     try:
         rows = [r.get(timeout=30) for r in results]

@@ -2,25 +2,18 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
-import time
-from collections.abc import Sequence
 
 import numpy as np
 import pytest
-import torch
 from gevent.event import AsyncResult
 
-from service.engine.batcher import Row
-from service.engine.runner import Runner
-from service.engine.types import Tokens
+from service.engine.types import Row, Tokens
 from service.errors import PayloadTooLarge, RequestError
 from service.pipeline import postprocess
 from service.pipeline.inputs import parse_json
 from service.pipeline.text_encoder import TextEncoder
 from service.settings import Settings
-from tests.fakes import FakeModel
 
 
 class _Admission:
@@ -102,39 +95,3 @@ def test_texts_labels_and_queries_parse_with_their_limits() -> None:
         _parse({"images": ["https://x.example/a.jpg"], "labels": ["a"]}, "embeddings")
     with pytest.raises(RequestError, match="unknown field"):
         _parse({"texts": ["a"]}, "classify")
-
-
-def test_texts_take_queue_slots_at_their_measured_cost() -> None:
-    from service.pipeline.orchestrate import TEXTS_PER_SLOT, text_slots
-
-    assert [text_slots(n) for n in (1, TEXTS_PER_SLOT, TEXTS_PER_SLOT + 1, 256)] == [1, 1, 2, 256 // TEXTS_PER_SLOT]
-
-
-class _TextTowerModel(FakeModel):
-    """FakeModel with a text tower: a text's embedding is its token ids."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.info = dataclasses.replace(self.info, towers=("image", "text"), context_length=4)
-
-    def tokenize(self, texts: Sequence[str]) -> Tokens:
-        n = len(texts)
-        return Tokens(np.arange(n * 4, dtype=np.int64).reshape(n, 4), (4,) * n, (False,) * n)
-
-    def encode_text(self, ids: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(ids.astype(np.float32))
-
-
-def test_a_lone_text_runs_at_once_and_waits_only_while_other_texts_are_tokenised() -> None:
-    runner = Runner(Settings(max_batch_wait_ms=400), model=_TextTowerModel())
-    runner.start()
-    ids = runner.tokenize(["a dog"]).ids
-    with runner.admit(1) as admission:
-        t0 = time.monotonic()
-        runner.infer_text(ids[0], None, admission).get(timeout=5)
-        alone = time.monotonic() - t0
-        runner._texts_coming.n = 1  # another request's texts are in a decode thread
-        t0 = time.monotonic()
-        runner.infer_text(ids[0], None, admission).get(timeout=5)
-        waited = time.monotonic() - t0
-    assert alone < 0.2 < 0.35 < waited, (alone, waited)

@@ -1,31 +1,23 @@
 """One batch through the model, in the inference thread: its items stacked, the forward, each item's rows
-handed back as numpy (or why it has none)."""
+handed back as numpy (or why it has none); and the running figures of the batches (``BatchStats``)."""
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from service.engine.types import BatchOutputs
 from service.errors import OutOfMemory
 
 log = logging.getLogger(__name__)
 
 # Forward function: a stacked batch (uint8 (N, H, W, 3) crops, or (N, context) token ids) → (features or
-# None, logits or None) with row i for item i, or ``Outputs`` when some items got no row.
-RunBatch = Callable[[Any], "tuple[Any, Any] | Outputs"]
-
-
-@dataclass(frozen=True)
-class Outputs:
-    """A forward's rows (row i for item i) and the items that got none, each with its reason."""
-
-    features: np.ndarray | None
-    logits: np.ndarray | None
-    failed: dict[int, Exception] = field(default_factory=dict)
+# None, logits or None) with row i for item i, or ``BatchOutputs`` when some items got no row.
+RunBatch = Callable[[Any], "tuple[Any, Any] | BatchOutputs"]
 
 
 # One item's outcome from the inference thread: its (features row, logits row), or why it has none
@@ -58,9 +50,26 @@ def forward_stacked(run_batch: RunBatch, pixels: list[Any]) -> list[Outcome] | E
         return first + second
     except Exception as exc:
         return exc
-    if not isinstance(out, Outputs):
-        out = Outputs(*out)
+    if not isinstance(out, BatchOutputs):
+        out = BatchOutputs(*out)
     feats = None if out.features is None else np.asarray(out.features)
     logits = None if out.logits is None else np.asarray(out.logits)
     return [out.failed[i] if i in out.failed else (None if feats is None else feats[i], None if logits is None else logits[i])
             for i in range(len(pixels))]
+
+
+@dataclass
+class BatchStats:
+    """Running figures of a batcher's forwards: Retry-After and the quantum read ``seconds_per_image``."""
+
+    batches: int = 0
+    seconds_per_image: float = 0.05  # refined by an exponential average of real batches
+    on_batch: Callable[[int, float], None] | None = None
+    on_interjected: Callable[[int], None] | None = None  # images run inside another caller's forward
+
+    def record(self, n: int, seconds: float) -> None:
+        self.batches += 1
+        per_image = seconds / max(1, n)
+        self.seconds_per_image = per_image if self.batches == 1 else 0.8 * self.seconds_per_image + 0.2 * per_image
+        if self.on_batch:
+            self.on_batch(n, seconds)

@@ -1,14 +1,15 @@
-"""What one worker owns: the model, its one inference thread, the decode threads, the batcher.
+"""What one worker owns: the model, its one inference thread, the decode threads, the two batchers.
 
     Runner.start()      load + warm up the model in the inference thread (after fork; CUDA only there)
-    Runner.admit(n)     reserve n images of this worker's queue, or 503 + Retry-After (``scheduling``)
-    Runner.offload()    CPU work (decode, preprocess, a big JSON body) in a decode thread, in request order
+    Runner.admit(n)     reserve n images of this worker's queue, or 503/429 + Retry-After (``scheduling``)
+    Runner.offload()    CPU work (a big JSON body, a text) in a decode thread, before any image
+    Runner.decode()     an image's decode in a decode thread, in its request's order (``scheduling``)
     Runner.infer()      queue one image for the batcher; wait on the returned result cooperatively
     Runner.tokenize()   texts → token ids in a decode thread (models with a text tower)
     Runner.infer_text() queue one text for the text batcher: same inference thread, never in an image batch
 
-The order in which requests move through a worker is ``scheduling.Scheduler``'s; how many cores the
-forward uses is ``cores.CorePlan``'s.
+The order in which work moves through a worker is ``scheduling``'s; how many cores the forward uses is
+``cores.CorePlan``'s.
 """
 
 from __future__ import annotations
@@ -29,11 +30,10 @@ from torch import nn
 from service import metrics
 from service.engine.batcher import Batcher
 from service.engine.cores import CorePlan, Siblings, lower_priority
-from service.engine.forwarding import Outputs
+from service.engine.forwarding import BatchStats
 from service.engine.preemption import Preemption
-from service.engine.scheduling import Admission, Gather, Scheduler
-from service.engine.slots import Rank
-from service.engine.types import EncodedJpeg, ModelInfo, Tokens
+from service.engine.scheduling import Admission, Limits, Scheduler, Signals
+from service.engine.types import BatchOutputs, EncodedJpeg, ModelInfo, Tokens
 from service.errors import GreenserveError
 from service.settings import Settings
 
@@ -65,6 +65,15 @@ class TextModel(Model, Protocol):
     def encode_text(self, ids: np.ndarray) -> Any: ...
 
 
+def limits(settings: Settings, decode_threads: int) -> Limits:
+    """The settings the scheduling rules read."""
+    return Limits(max_queue=settings.max_queue_images, share=settings.caller_share(),
+                  fetch_ahead=settings.fetch_concurrency, decode_threads=decode_threads, max_batch=settings.max_batch,
+                  max_text_batch=settings.max_text_batch, max_wait_s=settings.max_batch_wait_ms / 1000,
+                  quantum_s=settings.fair_quantum_ms / 1000, across_requests=settings.batch_across_requests,
+                  interject=settings.preempt_forwards)
+
+
 class Runner:
     def __init__(self, settings: Settings, *, model: Model | None = None,
                  loader: Callable[[], Model] | None = None, cores: int | None = None,
@@ -75,22 +84,19 @@ class Runner:
         self._spare_decode = ThreadPool(1)  # a caller's first image while every decode thread is another's
         # below the hub (HTTP, health checks) come the model, then decode: see ``cores.lower_priority``
         self._inference_nice = settings.compute_nice // 2
-        self.threads = CorePlan(settings, cores or len(os.sched_getaffinity(0)), siblings)
-        self.scheduling = Scheduler(settings, self._decode_pool.maxsize, self.threads)
+        self.cores = CorePlan(settings, cores or len(os.sched_getaffinity(0)), siblings)
         self._preemption = Preemption() if settings.preempt_forwards else None
-        self.batcher = Batcher(self._forward, self._infer_pool, max_batch=settings.max_batch,
-                               max_wait_s=settings.max_batch_wait_ms / 1000,
-                               across_requests=settings.batch_across_requests, policy=self.scheduling,
-                               preemption=self._preemption)
-        self.scheduling.watch(self.batcher)
-        self.batcher.stats.on_batch = metrics.observe_batch
-        self.batcher.stats.on_interjected = metrics.INTERJECTED.inc
+        stats = BatchStats(on_batch=metrics.observe_batch, on_interjected=metrics.INTERJECTED.inc)
+        preemption = self._preemption
+        self.scheduling = Scheduler(limits(settings, self._decode_pool.maxsize), Signals(
+            all_cores=self.cores.all_cores, seconds_per_image=lambda: stats.seconds_per_image,
+            preemptible=lambda: preemption is not None and preemption.points > 0))
+        self.batcher = Batcher(self._forward, self._infer_pool, self.scheduling.images,
+                               self.scheduling.image_rules(), preemption=self._preemption, stats=stats)
         # texts get their own batcher on the same one-thread pool: their forwards take turns with the
         # images' batches and are never mixed into one
-        self._texts_coming = TextsComing(self.scheduling)
-        self.text_batcher = Batcher(self._forward_texts, self._infer_pool, max_batch=settings.max_text_batch,
-                                    max_wait_s=settings.max_batch_wait_ms / 1000, policy=self._texts_coming)
-        self.text_batcher.stats.on_batch = metrics.observe_text_batch
+        self.text_batcher = Batcher(self._forward_texts, self._infer_pool, self.scheduling.texts,
+                                    self.scheduling.text_rules(), stats=BatchStats(on_batch=metrics.observe_text_batch))
         self._loader = loader
         self.model: Model | None = model
         self.load_error: BaseException | None = None
@@ -165,33 +171,37 @@ class Runner:
 
     @contextlib.contextmanager
     def admit(self, n_images: int, *, coming: int | None = None, arrived: float | None = None,
-              caller: str = "") -> Iterator[Admission]:
+              caller: str = "", streamed: bool = False) -> Iterator[Admission]:
         with self.scheduling.admit(n_images, coming=coming, arrived=arrived, caller=caller, ready=self.ready,
-                                   seconds_per_image=self.batcher.stats.seconds_per_image) as admission:
+                                   streamed=streamed) as admission:
             yield admission
 
     def wait_to_fetch(self, admission: Admission) -> None:
-        """Until this request's turn to fetch comes (``Scheduler.wait_to_fetch``)."""
+        """Until this request's turn to fetch comes (``rules.may_fetch``)."""
         self.scheduling.wait_to_fetch(admission)
-
-    def first_decode(self) -> contextlib.AbstractContextManager[None]:
-        """Around a streamed answer's first decode (``Scheduler.first_decode``)."""
-        return self.scheduling.first_decode()
 
     def admitted(self) -> int:
         """Images admitted and not yet answered, on this worker."""
         return self.scheduling.admitted()
 
-    def offload(self, fn: Callable[..., T], *args: Any, rank: Rank | None = None, caller: str = "") -> T:
-        """Run CPU-bound ``fn`` in a native decode thread; the calling greenlet waits cooperatively.
-        ``rank`` places it in the worker's request order, ``caller`` lets it take the spare thread
-        (``Scheduler.decode_slot``), which runs at the model's priority.
+    def offload(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run CPU-bound ``fn`` in a native decode thread, before any image waiting for one; the calling
+        greenlet waits cooperatively.
 
         ``GreenserveError``s (a bad image, say) are carried back and raised here, in the greenlet;
         gevent would otherwise print each one as a crashed task.
         """
-        with self.scheduling.decode_slot(rank, caller) as spare:
-            if spare:
+        return self._in_decode_thread(None, 0, fn, args)
+
+    def decode(self, fn: Callable[..., T], *args: Any, admission: Admission, index: int) -> T:
+        """``offload`` for image ``index`` of a request: in the worker's request order, on the spare thread
+        when the scheduling says so (``rules.decode_turn``)."""
+        return self._in_decode_thread(admission, index, fn, args)
+
+    def _in_decode_thread(self, admission: Admission | None, index: int, fn: Callable[..., T],
+                          args: tuple[Any, ...]) -> T:
+        with self.scheduling.decode_slot(admission, index) as spare:
+            if spare:  # at the model's priority
                 outcome = self._spare_decode.apply(_capture_expected, (self._inference_nice, fn, args))
             else:
                 outcome = self._decode_pool.apply(_capture_expected, (self.settings.compute_nice, fn, args))
@@ -203,18 +213,18 @@ class Runner:
         return cast(T, outcome)
 
     def infer(self, pixels: np.ndarray | EncodedJpeg, deadline: float | None, admission: Admission) -> AsyncResult:
-        return self.batcher.submit(pixels, deadline, admission, admission.next_tag())
+        return self.batcher.submit(pixels, deadline, admission)
 
-    def tokenize(self, texts: Sequence[str], *, rank: Rank | None = None) -> Tokens:
+    def tokenize(self, texts: Sequence[str]) -> Tokens:
         """Token ids (a decode thread); the caller submits them at once, without yielding to the hub."""
-        self._texts_coming.n += len(texts)
+        self.scheduling.texts_coming += len(texts)
         try:
-            return self.offload(self._text_model().tokenize, list(texts), rank=rank)
+            return self.offload(self._text_model().tokenize, list(texts))
         finally:
-            self._texts_coming.n -= len(texts)
+            self.scheduling.texts_coming -= len(texts)
 
     def infer_text(self, ids: np.ndarray, deadline: float | None, admission: Admission) -> AsyncResult:
-        return self.text_batcher.submit(ids, deadline, admission, admission.next_tag())
+        return self.text_batcher.submit(ids, deadline, admission)
 
     def _text_model(self) -> TextModel:
         # requests for text reach here only admitted (the model is loaded) and checked by the api, which
@@ -226,40 +236,16 @@ class Runner:
         assert threading.current_thread() is not threading.main_thread()
         model = self._text_model()
         lower_priority(self._inference_nice)
-        self.threads.apply(model)
+        self.cores.apply(model)
         return model.encode_text(ids), None
 
-    def _forward(self, batch: np.ndarray | list[np.ndarray | EncodedJpeg]) -> tuple[Any, Any] | Outputs:
+    def _forward(self, batch: np.ndarray | list[np.ndarray | EncodedJpeg]) -> tuple[Any, Any] | BatchOutputs:
         assert self.model is not None and threading.current_thread() is not threading.main_thread()
         lower_priority(self._inference_nice)
-        self.threads.apply(self.model)
+        self.cores.apply(self.model)
         if isinstance(batch, np.ndarray):
             return self.model.forward(batch)
-        return Outputs(*cast(DeviceDecodingModel, self.model).forward_items(batch))  # JPEGs for the device
-
-
-class TextsComing:
-    """The text batcher's policy: texts being tokenised are on their way, and a batch waits for them (up to
-    GREENSERVE_MAX_BATCH_WAIT_MS); with none coming it runs at once (a lone search query saved the 2 ms)."""
-
-    def __init__(self, scheduler: Scheduler) -> None:
-        self.n = 0
-        self._scheduler = scheduler
-
-    def upstream(self) -> int:
-        return self.n
-
-    def gather(self) -> Gather:
-        return Gather.NO
-
-    def taken(self, tag: float) -> None:
-        self._scheduler.taken(tag)  # texts and images share the worker's one fair clock
-
-    def batch_cap(self, seconds_per_image: float) -> int | None:
-        return None  # a text forward is ~10 ms: short enough whoever waits
-
-    def urgent(self) -> contextlib.AbstractContextManager[None]:
-        return contextlib.nullcontext()  # a text forward never streams its first row alone
+        return BatchOutputs(*cast(DeviceDecodingModel, self.model).forward_items(batch))  # JPEGs for the device
 
 
 class _Raised:

@@ -1,10 +1,11 @@
 """The engine's value types, torch-free: what the HTTP layer and the pipeline know of a model (its
-description, its preprocessing, its tokens, its precision choice) without importing torch."""
+description, its preprocessing, its tokens, its precision choice) and of a forward's outputs (``Row``,
+``BatchOutputs``) without importing torch or the batcher."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
@@ -53,6 +54,26 @@ class Tokens:
     ids: np.ndarray  # (n, context_length) int64
     lengths: tuple[int, ...]  # tokens kept, start and end tokens included
     truncated: tuple[bool, ...]  # the text had more tokens than the context length
+
+
+@dataclass(frozen=True)
+class Row:
+    """One item's outputs from a forward, with how long it queued and how long its batch ran."""
+
+    features: np.ndarray | None
+    logits: np.ndarray | None
+    queue_s: float
+    inference_s: float
+    batch_size: int
+
+
+@dataclass(frozen=True)
+class BatchOutputs:
+    """A forward's rows (row i for item i) and the items that got none, each with its reason."""
+
+    features: np.ndarray | None
+    logits: np.ndarray | None
+    failed: dict[int, Exception] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

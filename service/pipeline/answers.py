@@ -14,8 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from service.engine.batcher import Row
-from service.engine.types import ModelInfo
+from service.engine.types import ModelInfo, Row
 from service.errors import ImageError, image_error_item
 from service.pipeline import postprocess
 from service.pipeline.requests import ImageRef, InferenceRequest

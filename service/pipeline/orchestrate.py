@@ -15,7 +15,6 @@ a texts-only request goes straight to the text tower (``run_texts``).
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -28,10 +27,10 @@ import numpy as np
 
 from service.cache.entries import Outputs
 from service.cache.tiers import EmbeddingCache
-from service.engine.batcher import Row
 from service.engine.runner import Runner
 from service.engine.scheduling import Admission
-from service.engine.types import EncodedJpeg, ModelInfo
+from service.engine.scheduling.rules import text_slots
+from service.engine.types import EncodedJpeg, ModelInfo, Row
 from service.errors import DeadlineExceeded, FetchDeadline, ImageError, ImagesFailed
 from service.pipeline import answers
 from service.pipeline.answers import Spans
@@ -43,16 +42,6 @@ from service.pipeline.requests import ImageRef, InferenceRequest
 from service.pipeline.text_encoder import TextEncoder
 
 log = logging.getLogger(__name__)
-
-
-# Texts take the worker's queue slots (GREENSERVE_MAX_QUEUE_IMAGES) at this many per slot: a CLIP text of
-# ~16 tokens costs about an eighth of an image's forward (ViT-B/32 on CPU: 120 texts/s vs 15 images/s,
-# docs/BENCHMARKS.md). Counted one per slot, 256-text requests were refused long before the model was busy.
-TEXTS_PER_SLOT = 8
-
-
-def text_slots(n_texts: int) -> int:
-    return -(-n_texts // TEXTS_PER_SLOT)
 
 
 @dataclass(frozen=True)
@@ -93,7 +82,6 @@ class _Work:
     recall: Recall | None  # the embedding cache's part in this request; None with GREENSERVE_CACHE=off
     prompts: np.ndarray | None = None
     aborted: bool = False
-    led: bool = False  # streamed: its first image to arrive has been decoded, or is being decoded
 
     def settle(self, ref: ImageRef, outcome: Row | ImageError) -> None:
         """``ref``'s outcome, told to ``progress`` (if any) as its answer at once."""
@@ -151,12 +139,11 @@ class Orchestrator:
         if outcomes and not req.partial:
             self._fail(req, outcomes)  # refused at parsing: no work is worth starting
         with self.runner.admit(len(req.refs), coming=len(req.refs) - len(outcomes), arrived=spans.started,
-                               caller=caller) as admission:
+                               caller=caller, streamed=progress is not None) as admission:
             info = self.runner.info
             assert info is not None  # admitted: the model is ready
             if progress is not None:
                 progress.admitted()
-                admission.streamed = True  # its first row goes at once
             work = _Work(admission, info, spans, outcomes, deadline, gevent.getcurrent(), progress, task, req,
                          self._recall(info, tally))
             for ref in req.refs:
@@ -251,11 +238,8 @@ class Orchestrator:
             known = None if work.recall is None or isinstance(got, ImageError) else work.recall.recall(ref.index, ref.url, got)
             if known is not None:
                 return work.settle(ref, Row(known.features, known.logits, 0.0, 0.0, 0))
-            lead = work.progress is not None and not work.led  # its decode holds the reads: the first line
-            work.led = True
             try:
-                with self.runner.first_decode() if lead else contextlib.nullcontext():
-                    pixels = self._decode(ref, data, work)
+                pixels = self._decode(ref, data, work)
             except ImageError as err:
                 return self._unusable(req, ref, err, work)
             result = self.runner.infer(pixels, work.deadline, work.admission)  # no yield before the exit
@@ -289,8 +273,8 @@ class Orchestrator:
         t0 = time.monotonic()
         decode = checked_for_device if work.info.jpeg_decode == "device" and not pillow else decode_and_crop
         try:
-            return self.runner.offload(decode, data, work.info.transform, self.max_pixels,
-                                       rank=work.admission.rank(ref.index), caller=work.admission.caller)
+            return self.runner.decode(decode, data, work.info.transform, self.max_pixels, admission=work.admission,
+                                      index=ref.index)
         finally:
             work.spans.add("decode", t0, time.monotonic())
 

@@ -14,9 +14,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from service import metrics
-from service.engine.batcher import Row
 from service.engine.runner import Runner
 from service.engine.scheduling import Admission
+from service.engine.types import Row
 from service.errors import RequestError
 from service.pipeline.postprocess import embedding
 
@@ -41,7 +41,7 @@ class TextEncoder:
     def encode(self, texts: Sequence[str], *, deadline: float, admission: Admission,
                truncate: bool = True) -> list[TextRow]:
         """Each text's embedding, in order. With ``truncate`` false, a text past the context length is refused."""
-        tokens = self.runner.tokenize(texts, rank=admission.rank(0))
+        tokens = self.runner.tokenize(texts)
         if not truncate and any(tokens.truncated):
             first = tokens.truncated.index(True)
             info = self.runner.info

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from service.engine.batcher import Row
+from service.engine.types import Row
 from service.errors import RequestError
 from service.pipeline import postprocess
 from service.pipeline.inputs import base64_ref, bytes_ref, check_count, is_reference, string_ref

@@ -1,15 +1,9 @@
-"""Urgent work: what a person waits on gets the cores. Three forwards are urgent: a streamed answer's first
-row, and another caller's images run inside an album's forward (``preemption``) or while its batch gathers.
-So is the decode of a streamed answer's first image, for the hub's reads only.
+"""Holding the hub's reads while urgent work runs: ``Urgency``.
 
-While an urgent forward runs, no decode starts (``Scheduler._may_decode``) and the hub reads no fetched body
-(``Urgency.turn``, between chunks); what is under way finishes. Beside a 30-photo album being fetched and
-decoded, the first row's one-image forward took 220-390 ms instead of ~100: torch's threads wait for each
-other at every layer, and the hub (nice 0) receiving 4.7 MB photos, or a decode thread, on one of their
-cores delays them all. With both held it took 98 ms; a one-photo caller beside 4 albums saw its p99 at
-1.57x idle instead of 1.94x. Holding the reads while the first image decodes too brought the first line
-from ~+40 ms to ~+13 ms over one photo alone (docs/SCHEDULING.md, "Urgent forwards"). Reads wait at most
-``HOLD_MAX_S`` per hold, so a slow model never stalls the fetches for long.
+While a forward someone waits on runs (``rules.holds``), the hub reads no fetched body: ``turn`` waits
+between two chunks of a body, at most ``HOLD_MAX_S`` per hold, so a slow model never stalls the fetches
+for long. Decodes are held by the rules (``rules.may_decode`` reads ``active``). Why: docs/SCHEDULING.md,
+"urgent" and "first-decode".
 """
 
 from __future__ import annotations
@@ -31,24 +25,28 @@ class Urgency:
         self._reads = Event()  # set: the hub may read
         self._reads.set()
         self._until = 0.0
+        self.ended = 0.0  # when the last urgent forward ended
 
     @property
     def active(self) -> bool:
         """Whether an urgent forward runs now."""
         return self._forwards > 0
 
-    def begin(self) -> None:
+    @contextlib.contextmanager
+    def forward(self) -> Iterator[None]:
+        """Around an urgent forward: reads wait, and ``active`` holds the decodes."""
         self._forwards += 1
         self._hold()
-
-    def end(self) -> None:
-        self._forwards -= 1
-        self._release()
+        try:
+            yield
+        finally:
+            self._forwards -= 1
+            self._release()
+            self.ended = time.monotonic()
 
     @contextlib.contextmanager
     def reads_held(self) -> Iterator[None]:
-        """Around a streamed answer's first decode: the reads wait, the other decodes go on (on 2 cores the
-        first decode and one more each have a core once the hub stops receiving)."""
+        """Around a streamed answer's first decode: the reads wait, the other decodes go on."""
         self._hold()
         try:
             yield
