@@ -305,8 +305,8 @@ def interjection(view: WorkerView, running: Forming, left: int) -> Run:
     if not view.limits.interject or not view.preemptible or len(running.members) < 2 or left <= 0:
         return Run()
     inside = {m.caller for m in running.members}
-    due = sorted(w for w in view.queue if w.caller not in inside)
-    return Run(tuple(due[:left]), urgent=holds(view))
+    due = tuple(sorted(w for w in view.queue if w.caller not in inside)[:left])
+    return Run(due, urgent=holds(view)) if due else Run()
 
 
 def text_plan(view: WorkerView, forming: Forming) -> BatchPlan:

@@ -1,0 +1,116 @@
+"""One worker's parts together (a fake model, the real threads, scheduler and batchers): the orders the rules
+give hold up when images really decode, queue and run."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections.abc import Sequence
+
+import gevent
+import numpy as np
+import torch
+from gevent.event import AsyncResult
+
+from harness.fakes import FakeModel
+from harness.polling import quiet, until
+from service.engine.runner import Runner
+from service.engine.scheduling import Admission
+from service.engine.types import Tokens
+from service.settings import Settings
+
+PIXELS = np.zeros((32, 32, 3), np.uint8)
+
+
+def test_a_batch_gathering_a_later_requests_images_goes_when_an_earlier_requests_images_wait() -> None:
+    """One worker on every core gathers: the later request's first image leads a batch that waits for its
+    second, whose decode is held back by the earlier request's waiting images. The batch must go (and the
+    earlier request be served first), not wait for an image that cannot come."""
+    runner = Runner(Settings(workers=1, decode_threads=2), model=FakeModel(), cores=2)
+    done: list[str] = []
+
+    def image(admission: Admission, index: int) -> None:
+        with admission.image():
+            crop = runner.decode(PIXELS.copy, admission=admission, index=index)
+            result = runner.infer(crop, None, admission)
+        result.get(timeout=5)
+        done.append(f"{admission.arrived:.0f}/{index}")
+
+    runner.batcher.start()
+    try:
+        with runner.admit(2, arrived=1.0, caller="c") as earlier, runner.admit(2, arrived=2.0, caller="c") as later:
+            first = gevent.spawn(image, later, 0)
+            until(lambda: later.upstream == 1, what="the later request's first image queued")
+            rest = [gevent.spawn(image, earlier, i) for i in range(2)]
+            quiet()
+            rest.append(gevent.spawn(image, later, 1))
+            gevent.joinall([first, *rest], raise_error=True, timeout=5)
+        assert sorted(done) == ["1/0", "1/1", "2/0", "2/1"]
+        assert done.index("1/1") < done.index("2/1")
+    finally:
+        runner.batcher.stop()
+
+
+def test_a_light_callers_image_goes_between_a_heavy_callers_batches() -> None:
+    """A heavy request with all its images on the way holds batches of its own; the light caller's one
+    image must be in the next batch, not after the heavy request's 24."""
+    model = FakeModel()
+    gate, started = threading.Event(), []
+    forward = model.forward
+    model.forward = lambda batch: (started.append(len(batch)), gate.wait(5), forward(batch))[2]  # type: ignore[method-assign]
+    runner = Runner(Settings(workers=1, max_batch=4, preempt_forwards=False), model=model, cores=2)
+    order: list[str] = []
+
+    def image(admission: Admission, name: str) -> None:
+        with admission.image():
+            result = runner.infer(PIXELS, None, admission)
+        result.get(timeout=10)
+        order.append(name)
+
+    runner.batcher.start()
+    try:
+        with runner.admit(24, caller="heavy") as heavy:
+            jobs = [gevent.spawn(image, heavy, f"heavy {i}") for i in range(24)]
+            until(lambda: started, what="the heavy caller's first forward started")
+            with runner.admit(1, caller="light") as light:
+                jobs.append(gevent.spawn(image, light, "light"))
+                quiet()
+                gate.set()
+                gevent.joinall(jobs, raise_error=True, timeout=10)
+        # the running batch (4), then the one formed meanwhile (at most 4): by then it must have gone
+        assert order.index("light") <= 4 + 4, order
+    finally:
+        runner.batcher.stop()
+
+
+class TextTowerModel(FakeModel):
+    """FakeModel with a text tower: a text's embedding is its token ids."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.info = dataclasses.replace(self.info, towers=("image", "text"), context_length=4)
+
+    def tokenize(self, texts: Sequence[str]) -> Tokens:
+        n = len(texts)
+        return Tokens(np.arange(n * 4, dtype=np.int64).reshape(n, 4), (4,) * n, (False,) * n)
+
+    def encode_text(self, ids: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(ids.astype(np.float32))
+
+
+def test_texts_run_in_batches_of_their_own_on_the_one_inference_thread() -> None:
+    model = TextTowerModel()
+    runner = Runner(Settings(max_batch_wait_ms=1), model=model)
+    runner.start()
+    try:
+        ids = runner.tokenize(["a dog", "a cat"]).ids
+        with runner.admit(1, coming=0) as admission:
+            texts: list[AsyncResult] = [runner.infer_text(row, None, admission) for row in ids]
+            image = runner.infer(PIXELS, None, admission)
+            rows = [t.get(timeout=5) for t in texts]
+            image.get(timeout=5)
+        assert [r.batch_size for r in rows] == [2, 2] and model.batches == [1]  # the image's forward held no text
+        assert np.array_equal(rows[1].features, ids[1].astype(np.float32))
+        assert len(model.threads) == 1
+    finally:
+        runner.close(5)
