@@ -88,7 +88,7 @@ def test_readme_layout_names_files_that_exist() -> None:
     match = LAYOUT.search((ROOT / "README.md").read_text())
     assert match, "the README's Layout section (a code block) is missing"
     named = set(re.findall(r"[\w@]+(?:\.[\w@]+)*\.(?:py|md)\b", match.group(1)))  # gunicorn.conf.py too
-    assert {"routes.py", "dataplane.py", "scheduling.py", "batcher.py", "runner.py", "model.py"} <= named
+    assert {"routes.py", "dataplane.py", "rules.py", "batcher.py", "runner.py", "model.py"} <= named
     code = [*ROOT.glob("*.py"), *(p for d in ("service", "harness", "bench", "tests") for p in (ROOT / d).rglob("*.py"))]
     present = {p.name for p in code} | {p.name for p in DOCS}
     assert sorted(named - present) == [], "the README's layout names files that are gone"
