@@ -258,23 +258,25 @@ def test_others_now(leader_upstream: int, other: RequestView, age: float, interj
     assert rules.others_now(v, forming, leader) == (queued if runs else ())
 
 
-@pytest.mark.parametrize(("streamed", "taken", "members", "first"), [
-    (True, 1, 1, True),  # its first image was just taken: it goes alone
-    (True, 2, 1, False),  # an earlier forward had one of its images
-    (False, 1, 1, False),
+@pytest.mark.parametrize(("streamed", "taken", "members", "cap"), [
+    (True, 1, 1, 1),  # its first image was just taken: the first row goes with at most this many
+    (True, 2, 1, None),  # an earlier forward had one of its images
+    (False, 1, 1, None),
 ])
-def test_first_row(streamed: bool, taken: int, members: int, first: bool) -> None:
+def test_first_row(streamed: bool, taken: int, members: int, cap: int | None) -> None:
     leader = request(1, upstream=5, taken=taken, streamed=streamed)
     forming = Forming(NOW, tuple(waiting(float(i), leader, i) for i in range(members)))
     plan = rules.first_row(view(leader), forming, leader)
-    assert (plan == BatchPlan(cap=1, own=1, wait_until=NOW, urgent=True)) if first else plan is None
+    assert plan == (None if cap is None else BatchPlan(cap=cap, own=1, wait_until=NOW, urgent=True))
 
 
 def test_batch_plan_puts_the_first_row_before_others_and_others_before_gathering() -> None:
     streamed = request(1, upstream=5, taken=1, streamed=True)
     search = request(2, "search", start=9.0, submitted=1)
     queue = (waiting(9.0, search, 5),)
-    assert rules.batch_plan(view(streamed, search, queue=queue), Forming(NOW, (waiting(0.0, streamed),))).cap == 1
+    forming = Forming(NOW, (waiting(0.0, streamed),))
+    assert rules.batch_plan(view(streamed, search, queue=queue), forming) == rules.first_row(view(streamed), forming,
+                                                                                            streamed)
     album = dataclasses.replace(streamed, streamed=False)
     plan = rules.batch_plan(view(album, search, queue=queue), Forming(NOW, (waiting(0.0, album),)))
     assert plan.others == Run(queue, urgent=True) and plan.wait_until == NOW
