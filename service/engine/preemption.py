@@ -1,9 +1,8 @@
 """A short forward that runs between the blocks of a long one, on the same inference thread.
 
 A worker has one inference thread, so an image that arrives while a gathered 30-photo batch runs waits for
-all of it (1.8 s for CLIP ViT-B/32 in float32 on 2 cores) however fair its tag. Capping every forward at a
-time quantum bounds that wait but costs the batch's efficiency (a ViT at batch 1 is 1.5x slower an image
-than at batch 8 in float32, 2.3x than at batch 30 in bfloat16). Instead, the model's blocks (every module
+all of it however fair its tag; capping every forward at a quantum would cost the batch its efficiency
+(docs/SCHEDULING.md, "interject"). Instead, the model's blocks (every module
 held in a ``Sequential`` or ``ModuleList``) get a pre-hook; when the batcher has offered a short forward,
 the next block's hook runs it first, then the long forward goes on from where it was. Its activations stay
 as they were: a hook only runs between two module calls.
