@@ -1,6 +1,6 @@
-"""The engine's benchmarks, each a ratio to a baseline measured in the same run.
+"""The engine passes' probes, each a ratio to a baseline measured in the same run.
 
-``python -m bench.engine_bench [--model resnet50] [--only overhead batching borrow overload]``
+``python -m bench.probes.engine_bench [--model resnet50] [--only overhead batching borrow overload]``
 
 - overhead: one 1-image request at concurrency 1, greenserve (2 workers, defaults) vs the bare pipeline
   (same decode + model, no server, 1 process x all threads) on the same 640x480 photo, timed in
@@ -14,7 +14,9 @@
 - overload: 30-photo requests arriving at 2x the measured capacity: how fast the excess gets 503 +
   Retry-After, the admitted requests' latency vs at capacity, and that every admitted request succeeds.
 
-Prints the command, the machine, one table per section; writes bench/out/engine.json.
+Prints the command, the machine, one table per section; writes bench/out/engine.json. Each section answered one
+pass's before/after (docs/history/BENCHMARKS-to-277ee8b.md has every run); the rules they decided are in
+docs/SCHEDULING.md.
 """
 
 from __future__ import annotations
@@ -256,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default="resnet50")
     parser.add_argument("--only", nargs="+", default=["overhead", "batching", "borrow", "balance", "overload"])
     args = parser.parse_args(argv)
-    print("$ python -m bench.engine_bench " + " ".join(argv if argv is not None else sys.argv[1:]))
+    print("$ python -m bench.probes.engine_bench " + " ".join(argv if argv is not None else sys.argv[1:]))
     cores = len(os.sched_getaffinity(0))
     info = machine(args.model, cores)
     print(f"{cores} cores ({info['cpu']}), torch {info['torch']}, model {args.model}, load avg {info['loadavg_at_start']}")

@@ -1,4 +1,4 @@
-"""Borrowing idle cores at 1 and 2 concurrent clients: ``python -m bench.borrow_bench [--root CHECKOUT ...]``.
+"""Borrowing idle cores at 1 and 2 concurrent clients: ``python -m bench.probes.borrow_bench [--root CHECKOUT ...]``.
 
 Two workers of resnet18 (default; ``--model``), one 1920x1080 JPEG per request as a data: URL, closed loop
 over keep-alive connections (``harness.load``). For every checkout given (``--root``, default this one) and
@@ -7,7 +7,8 @@ server and client count (1, 2) so the shared host's drift lands on all alike: re
 requests over 150 ms per round. ``--root`` twice (an earlier commit's checkout and this one) gives the
 before/after in one run.
 
-Prints the command, the machine and a table; writes bench/out/borrow.json.
+Prints the command, the machine and a table; writes bench/out/borrow.json. It answered whether borrowing pays at
+1 and 2 clients, and since then whether a change slowed the one-image request path (docs/history/).
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=15.0, help="per round, server and client count")
     args = parser.parse_args(argv)
     roots = args.root or [ROOT]
-    info = start("bench.borrow_bench", args.model, argv)
+    info = start("bench.probes.borrow_bench", args.model, argv)
     weights = bare.save_random_weights(args.model, OUT / "weights" / f"{bare.slug(args.model)}-seed0.pt")
     photo = render(Photo("hd.jpg", 1920, 1080, 1, seed=3))
     body = {"images": ["data:image/jpeg;base64," + base64.b64encode(photo).decode()]}
