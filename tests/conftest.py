@@ -7,13 +7,10 @@ from pathlib import Path
 
 import pytest
 
+from harness import images
 from harness.imagehost import ImageHost
 from harness.launch import GunicornServer
-from tests import images
-
-GUARD_TOKEN = "s3cret-e2e"  # the ``guarded`` server's GREENSERVE_API_TOKEN
-CLIP_ARCH = "ViT-S-32-alt"  # 43 M parameters: the smallest open_clip CLIP with both towers
-E2E_MODEL = "resnet18"  # small real torchvision model; weights saved to a temp file (no download here)
+from harness.servers import CLIP_ARCH, GUARD_TOKEN, e2e_env
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -74,18 +71,6 @@ def album() -> dict[str, bytes]:
 def image_host(album: dict[str, bytes]) -> Iterator[ImageHost]:
     with ImageHost(album) as host:
         yield host
-
-
-def e2e_env(weights_file: Path, image_host: ImageHost, **extra: str) -> dict[str, str]:
-    """A server's environment. The dtype is pinned to float32: these servers are checked against each
-    other's routes and against float32 references to 1e-6, and on a CPU with native bfloat16 the default
-    (auto) would serve bfloat16. ``tests/test_e2e_precision_decode.py`` runs the default."""
-    env = {"GREENSERVE_MODEL": E2E_MODEL, "GREENSERVE_WEIGHTS": str(weights_file), "GREENSERVE_DTYPE": "float32",
-           "GREENSERVE_IMAGE_BASE_URL": image_host.base_url, "GREENSERVE_MAX_IMAGES": "40",
-           "GREENSERVE_MAX_BODY_BYTES": str(8 * 1024 * 1024), "GREENSERVE_MAX_IMAGE_PIXELS": "30000000",
-           "GREENSERVE_FETCH_TIMEOUT_S": "2", "GREENSERVE_LOG_LEVEL": "info"}
-    env.update(extra)
-    return env
 
 
 @pytest.fixture(scope="session")

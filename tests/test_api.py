@@ -2,30 +2,19 @@
 
 from __future__ import annotations
 
-import base64
 import io
 import time
 
 import numpy as np
 import pytest
 from flask.testing import FlaskClient
-from PIL import Image
 
+from harness import images
+from harness.fakes import BASE, FakeFetcher, FakeModel
+from harness.images import data_url, solid
 from service.app import create_app
 from service.errors import FetchDeadline
 from service.settings import Settings
-from tests import images
-from tests.fakes import FakeFetcher, FakeModel
-
-BASE = "http://cdn.test/"
-
-
-def solid(value: int, fmt: str = "PNG") -> bytes:
-    return images.encode(Image.new("RGB", (40, 40), (value, value, value)), fmt)
-
-
-def data_url(blob: bytes) -> str:
-    return "data:image/png;base64," + base64.b64encode(blob).decode()
 
 
 @pytest.fixture()

@@ -12,6 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from harness import images
+from harness.fakes import FakeFetcher, FakeModel
 from harness.launch import free_port
 from service.app import create_app
 from service.cache import entries
@@ -21,8 +23,6 @@ from service.cache.stores import DiskStore, MemoryStore, StoreDown
 from service.cache.tiers import EmbeddingCache
 from service.pipeline.recall import CacheTally
 from service.settings import Settings, SettingsError
-from tests import images
-from tests.fakes import FakeFetcher, FakeModel
 
 KEY = entries.entry_key("m" * 32, "c" * 64)
 

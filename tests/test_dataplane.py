@@ -10,6 +10,8 @@ from collections.abc import Iterator
 
 import pytest
 
+from harness import images
+from harness.fakes import FakeFetcher, FakeModel
 from service.balance.gate import Balance, Policy
 from service.engine.runner import Runner
 from service.errors import DeadlineExceeded, RequestError
@@ -19,8 +21,6 @@ from service.pipeline.inputs import parse_json
 from service.pipeline.orchestrate import Orchestrator
 from service.pipeline.text_encoder import TextEncoder
 from service.settings import Settings
-from tests import images
-from tests.fakes import FakeFetcher, FakeModel
 
 BASE = "http://img.test/"
 

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from harness import images
 from service.errors import ImageTooLarge, NotAnImage, UnsupportedImage
 from service.pipeline.decode import configure_pillow, decode_image, to_rgb
-from tests import images
 
 MAX_PIXELS = 30_000_000
 

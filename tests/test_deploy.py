@@ -4,7 +4,6 @@ environment, speaking the notify protocol to a socket we bind (READY=1, then STO
 from __future__ import annotations
 
 import os
-import re
 import shlex
 import shutil
 import signal
@@ -17,12 +16,10 @@ from pathlib import Path
 import pytest
 import requests
 
+from harness.deploy import INSTALL_DIR, UNIT, directives
 from harness.imagehost import ImageHost
 from harness.launch import ROOT, free_port
-from tests.conftest import e2e_env
-
-UNIT = ROOT / "deploy" / "greenserve.service"
-INSTALL_DIR = "/opt/greenserve"
+from harness.servers import e2e_env
 
 
 def rendered_unit(tmp_path: Path) -> Path:
@@ -30,15 +27,6 @@ def rendered_unit(tmp_path: Path) -> Path:
     out = tmp_path / "greenserve.service"
     out.write_text(UNIT.read_text().replace(INSTALL_DIR, str(ROOT)))
     return out
-
-
-def directives(unit: Path) -> dict[str, list[str]]:
-    found: dict[str, list[str]] = {}
-    for line in unit.read_text().splitlines():
-        m = re.match(r"^(\w+)=(.*)$", line.strip())
-        if m:
-            found.setdefault(m.group(1), []).append(m.group(2))
-    return found
 
 
 def test_unit_has_the_deployment_contract() -> None:

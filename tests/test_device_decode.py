@@ -12,13 +12,13 @@ import pytest
 import torch
 from PIL import Image, ImageOps
 
+from harness import images
 from service.engine.loading import load_model
 from service.engine.types import EncodedJpeg, Transform
 from service.errors import ImageTooLarge, NotAnImage, UnsupportedImage
 from service.pipeline import device_decode
 from service.pipeline.decode import configure_pillow, jpeg_for_device, open_checked
 from service.pipeline.prepare import checked_for_device, decode_and_crop
-from tests import images
 
 pytestmark = pytest.mark.slow  # real models: not in make test-fast
 
@@ -135,9 +135,9 @@ def test_a_real_models_mixed_batch_matches_the_pillow_path_row_by_row() -> None:
 def test_over_http_a_jpeg_the_device_refuses_is_served_through_pillow(monkeypatch: pytest.MonkeyPatch) -> None:
     import dataclasses
 
+    from harness.fakes import FakeFetcher
     from service.app import create_app
     from service.settings import Settings
-    from tests.fakes import FakeFetcher
 
     base = "http://cdn.test/"
     blobs = {f"p{i}.jpg": images.jpeg(320 + 32 * i, 240, seed=i) for i in range(3)}

@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 import requests
 
+from harness import images
 from harness.imagehost import ImageHost
 from harness.launch import GunicornServer, free_port
-from tests import images
-from tests.conftest import e2e_env
+from harness.servers import e2e_env
 
 pytestmark = pytest.mark.e2e
 TIMEOUT = 60

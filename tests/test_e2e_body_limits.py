@@ -18,7 +18,7 @@ import requests
 from harness.faults import probe
 from harness.imagehost import ImageHost
 from harness.launch import GunicornServer
-from tests.conftest import e2e_env
+from harness.servers import e2e_env
 
 pytestmark = pytest.mark.e2e
 CAP = 1024 * 1024

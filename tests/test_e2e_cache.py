@@ -17,11 +17,11 @@ from pathlib import Path
 import pytest
 import requests
 
+from harness import images
+from harness.answers import cache_counts, metric
 from harness.imagehost import ImageHost
 from harness.launch import GunicornServer
-from tests import images
-from tests.conftest import e2e_env
-from tests.test_e2e_engine import _metric
+from harness.servers import e2e_env
 
 pytestmark = pytest.mark.e2e
 ALBUM = [f"p{i:02d}.jpg" for i in range(30)]
@@ -56,16 +56,6 @@ def embed(srv: GunicornServer, names: list[str], **body: object) -> tuple[reques
     return r, took
 
 
-def metric(srv: GunicornServer, name: str, labels: str = "") -> float:
-    return _metric(requests.get(srv.url + "/metrics", timeout=10).text, name, labels)
-
-
-def status(r: requests.Response) -> dict[str, str]:
-    """The Cache-Status detail's counts: {"hit": "30", "miss": "0", ...}."""
-    detail = r.headers["Cache-Status"].split('detail="')[1].rstrip('"')
-    return dict(part.split("=") for part in detail.split())
-
-
 def vectors(r: requests.Response) -> dict[int, list[float]]:
     return {item["index"]: item["embedding"] for item in r.json()["data"]}
 
@@ -73,11 +63,11 @@ def vectors(r: requests.Response) -> dict[int, list[float]]:
 def test_a_resynced_album_is_answered_without_decode_forward_or_download(server: GunicornServer,
                                                                           host: ImageHost) -> None:
     cold, cold_s = embed(server, ALBUM)
-    assert "fwd=miss; stored" in cold.headers["Cache-Status"] and status(cold)["miss"] == "30"
+    assert "fwd=miss; stored" in cold.headers["Cache-Status"] and cache_counts(cold)["miss"] == "30"
     inferred, downloaded, not_modified = metric(server, "greenserve_images_total"), host.body_bytes, host.not_modified
     warm, warm_s = embed(server, ALBUM)
     assert warm.headers["Cache-Status"].startswith("greenserve; fwd=stale; fwd-status=304"), warm.headers
-    assert status(warm) == {"hit": "30", "revalidated": "30", "fresh": "0", "miss": "0"}
+    assert cache_counts(warm) == {"hit": "30", "revalidated": "30", "fresh": "0", "miss": "0"}
     assert metric(server, "greenserve_images_total") == inferred  # 0 forwards
     assert warm.json()["timings_ms"]["decode"] == 0.0 and warm.json()["timings_ms"]["inference"] == 0.0  # 0 decodes
     assert host.body_bytes == downloaded and host.not_modified == not_modified + 30  # 0 bytes: 30 x 304
@@ -91,7 +81,7 @@ def test_one_changed_photo_is_embedded_again_and_the_others_are_not(server: Guni
     inferred = metric(server, "greenserve_images_total")
     host.replace(names[3], images.jpeg(1600, 1200, seed=999))
     after, _ = embed(server, names)
-    assert status(after)["miss"] == "1" and status(after)["revalidated"] == "9", after.headers
+    assert cache_counts(after)["miss"] == "1" and cache_counts(after)["revalidated"] == "9", after.headers
     assert metric(server, "greenserve_images_total") == inferred + 1
     old, new = vectors(before), vectors(after)
     assert new[3] != old[3] and all(new[i] == old[i] for i in old if i != 3)
@@ -100,7 +90,7 @@ def test_one_changed_photo_is_embedded_again_and_the_others_are_not(server: Guni
 def test_options_are_applied_after_the_cache(server: GunicornServer) -> None:
     raw, _ = embed(server, ALBUM[20:22], normalize=False)
     unit, _ = embed(server, ALBUM[20:22])
-    assert status(unit)["hit"] == "2"
+    assert cache_counts(unit)["hit"] == "2"
     assert abs(sum(v * v for v in unit.json()["data"][0]["embedding"]) - 1) < 1e-4
     assert abs(sum(v * v for v in raw.json()["data"][0]["embedding"]) - 1) > 1e-3
 
@@ -110,7 +100,7 @@ def test_the_hosts_cache_control_is_obeyed(server: GunicornServer, host: ImageHo
     embed(server, fresh)
     hits = host.hits["/" + ALBUM[24]]
     again, _ = embed(server, fresh)
-    assert status(again)["fresh"] == "2" and host.hits["/" + ALBUM[24]] == hits  # inside max-age: not asked
+    assert cache_counts(again)["fresh"] == "2" and host.hits["/" + ALBUM[24]] == hits  # inside max-age: not asked
     kept_out = [f"{ALBUM[27]}?cache_control=no-store"]
     embed(server, kept_out)
     inferred = metric(server, "greenserve_images_total")
@@ -123,7 +113,7 @@ def test_without_validators_the_content_still_finds_the_entry(server: GunicornSe
     embed(server, bare)
     downloaded = host.body_bytes
     again, _ = embed(server, bare)
-    assert status(again)["hit"] == "2" and status(again)["revalidated"] == "0"
+    assert cache_counts(again)["hit"] == "2" and cache_counts(again)["revalidated"] == "0"
     assert host.body_bytes > downloaded  # downloaded again (nothing to ask with), but not decoded or inferred
     assert again.json()["timings_ms"]["inference"] == 0.0
 
@@ -132,7 +122,7 @@ def test_uploads_hit_by_content(server: GunicornServer) -> None:
     data = "data:image/jpeg;base64," + base64.b64encode(images.jpeg(900, 700, seed=4242)).decode()
     first, _ = embed(server, [data])
     second, _ = embed(server, [data])
-    assert status(first)["miss"] == "1" and second.headers["Cache-Status"].startswith("greenserve; hit")
+    assert cache_counts(first)["miss"] == "1" and second.headers["Cache-Status"].startswith("greenserve; hit")
     assert vectors(first) == vectors(second)
 
 
@@ -142,7 +132,7 @@ def test_a_restart_keeps_the_disk_store(weights_file: Path, host: ImageHost, cac
     env = e2e_env(weights_file, host, GREENSERVE_CACHE_DIR=str(cache_dir))
     with GunicornServer(env, workers=1) as again:
         r, _ = embed(again, ALBUM[:5])
-        assert status(r)["hit"] == "5" and metric(again, "greenserve_images_total") == 0
+        assert cache_counts(r)["hit"] == "5" and metric(again, "greenserve_images_total") == 0
 
 
 def test_the_caps_hold_under_distinct_photos(weights_file: Path, tmp_path: Path) -> None:
@@ -173,8 +163,8 @@ def test_the_cli_shows_and_clears_the_store(server: GunicornServer, cache_dir: P
     assert cli("stats", GREENSERVE_CACHE_DIR=str(cache_dir))["entries"] == 0
     r, _ = embed(server, ALBUM[:3])
     # the workers' memory may still hold them; a miss anywhere is embedded again and stored on disk
-    assert int(status(r)["hit"]) + int(status(r)["miss"]) == 3
-    assert cli("stats", GREENSERVE_CACHE_DIR=str(cache_dir))["entries"] >= int(status(r)["miss"])
+    assert int(cache_counts(r)["hit"]) + int(cache_counts(r)["miss"]) == 3
+    assert cli("stats", GREENSERVE_CACHE_DIR=str(cache_dir))["entries"] >= int(cache_counts(r)["miss"])
 
 
 def cli(action: str, **env: str) -> dict:

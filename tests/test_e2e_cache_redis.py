@@ -14,14 +14,13 @@ import pytest
 import redis
 import requests
 
+from harness import images
+from harness.answers import cache_counts, metric
 from harness.imagehost import ImageHost
 from harness.launch import free_port
 from harness.load import Load, load_summary
-from tests import images
-from tests.conftest import e2e_env
-from tests.test_deploy_nginx import nginx_binary
-from tests.test_e2e_cache import metric, status
-from tests.test_e2e_nginx import Fleet
+from harness.nginx import Fleet, nginx_binary
+from harness.servers import e2e_env
 
 pytestmark = pytest.mark.e2e
 ALBUM = [f"img{i:03d}.jpg" for i in range(8)]
@@ -95,7 +94,7 @@ def test_two_instances_share_hits_through_one_redis(fleet: Fleet) -> None:
     for i in (0, 1):  # each instance directly: one of them never saw the album
         inferred = metric(fleet.instance(i), "greenserve_images_total")
         warm = embed(fleet.instance(i).url, names)
-        assert status(warm)["hit"] == "8", warm.headers
+        assert cache_counts(warm)["hit"] == "8", warm.headers
         assert metric(fleet.instance(i), "greenserve_images_total") == inferred
         assert [d["embedding"] for d in warm.json()["data"]] == [d["embedding"] for d in cold.json()["data"]]
 
@@ -121,4 +120,4 @@ def test_redis_killed_under_load_fails_nothing_and_hits_resume(fleet: Fleet, red
     embed(fleet.instance(0).url, new)
     inferred = metric(fleet.instance(1), "greenserve_images_total")
     again = embed(fleet.instance(1).url, new)
-    assert status(again)["hit"] == "3" and metric(fleet.instance(1), "greenserve_images_total") == inferred
+    assert cache_counts(again)["hit"] == "3" and metric(fleet.instance(1), "greenserve_images_total") == inferred

@@ -24,13 +24,11 @@ import requests
 
 from harness.imagehost import ImageHost
 from harness.launch import GunicornServer
-from tests.conftest import CLIP_ARCH as ARCH
-from tests.conftest import e2e_env
+from harness.servers import CLIP_ARCH, CLIP_LIMITS, e2e_env
 
 pytestmark = pytest.mark.e2e
 PHOTOS = [f"img{i:03d}.jpg" for i in range(8)] + ["big.jpg"]
 TEXTS = ["a photo of a cat", "a dog running on a beach at sunset", "holiday pictures from the mountains in winter"]
-LIMITS = {"GREENSERVE_MAX_TEXTS": "16", "GREENSERVE_MAX_TEXT_CHARS": "600", "GREENSERVE_MAX_LABELS": "20"}
 
 
 @pytest.fixture(scope="module")
@@ -39,15 +37,15 @@ def reference(clip_checkpoint: Path):
     import open_clip
     import torch
 
-    model, _, preprocess = open_clip.create_model_and_transforms(ARCH, pretrained=None)
+    model, _, preprocess = open_clip.create_model_and_transforms(CLIP_ARCH, pretrained=None)
     state = torch.load(clip_checkpoint, weights_only=True)["state_dict"]
     model.load_state_dict({k.removeprefix("module."): v for k, v in state.items()})
-    return model.eval(), preprocess, open_clip.get_tokenizer(ARCH)
+    return model.eval(), preprocess, open_clip.get_tokenizer(CLIP_ARCH)
 
 
 @pytest.fixture(scope="module")
 def clip_server(clip_checkpoint: Path, image_host: ImageHost) -> Iterator[GunicornServer]:
-    env = e2e_env(clip_checkpoint, image_host, GREENSERVE_MODEL=f"open_clip:{ARCH}", **LIMITS)
+    env = e2e_env(clip_checkpoint, image_host, GREENSERVE_MODEL=f"open_clip:{CLIP_ARCH}", **CLIP_LIMITS)
     with GunicornServer(env, workers=2) as srv:
         yield srv
 
@@ -67,7 +65,7 @@ def unit(x: np.ndarray) -> np.ndarray:
 
 def test_models_says_family_towers_dimension_and_preprocessing(clip_server: GunicornServer) -> None:
     info = requests.get(clip_server.url + "/v1/models", timeout=10).json()["data"][0]
-    assert (info["name"], info["family"], info["towers"]) == (f"open_clip:{ARCH}", "open_clip", ["image", "text"])
+    assert (info["name"], info["family"], info["towers"]) == (f"open_clip:{CLIP_ARCH}", "open_clip", ["image", "text"])
     assert info["embedding_dim"] == 256 and set(info["tasks"]) == {"embeddings", "classify", "rank"}
     pre = info["preprocessing"]
     assert (pre["resize"], pre["crop"], pre["interpolation"], pre["resize_mode"]) == (224, 224, "bicubic", "shortest")
@@ -224,10 +222,10 @@ def test_openai_strings_are_texts_on_clip_and_are_never_fetched(clip_server: Gun
     image = vectors(post(clip_server, "embeddings", {"images": ["img000.jpg"]}))
     with openai.OpenAI(base_url=f"{clip_server.url}/v1", api_key="unused", max_retries=0, timeout=120) as client:
         hits = sum(image_host.hits.values())
-        texts = client.embeddings.create(model=f"open_clip:{ARCH}", input=TEXTS)  # as OpenAI's own API
-        query = client.embeddings.create(model=f"open_clip:{ARCH}", input=TEXTS[1])
+        texts = client.embeddings.create(model=f"open_clip:{CLIP_ARCH}", input=TEXTS)  # as OpenAI's own API
+        query = client.embeddings.create(model=f"open_clip:{CLIP_ARCH}", input=TEXTS[1])
         assert sum(image_host.hits.values()) == hits, image_host.hits  # no text went to the image host
-        photo = client.embeddings.create(model=f"open_clip:{ARCH}", input=["img000.jpg"],
+        photo = client.embeddings.create(model=f"open_clip:{CLIP_ARCH}", input=["img000.jpg"],
                                          extra_body={"modality": "image"})
     np.testing.assert_allclose([e.embedding for e in texts.data], native, atol=1e-6)
     np.testing.assert_allclose(query.data[0].embedding, native[1], atol=1e-6)
@@ -235,12 +233,12 @@ def test_openai_strings_are_texts_on_clip_and_are_never_fetched(clip_server: Gun
     np.testing.assert_allclose(photo.data[0].embedding, image[0], atol=1e-6)
     url = image_host.url("img000.jpg")
     for inputs in ([{"image": url}], [{"type": "image_url", "image_url": {"url": url}}], [{"url": "img000.jpg"}]):
-        r = post(clip_server, "embeddings", {"model": f"open_clip:{ARCH}", "input": inputs})
+        r = post(clip_server, "embeddings", {"model": f"open_clip:{CLIP_ARCH}", "input": inputs})
         np.testing.assert_allclose(vectors(r), image, atol=1e-6)
-    objects = post(clip_server, "embeddings", {"model": f"open_clip:{ARCH}", "input": [{"text": t} for t in TEXTS]})
+    objects = post(clip_server, "embeddings", {"model": f"open_clip:{CLIP_ARCH}", "input": [{"text": t} for t in TEXTS]})
     np.testing.assert_allclose(vectors(objects), native, atol=1e-6)
     for mixed in ([{"text": TEXTS[0]}, {"image": url}], [TEXTS[0], {"image": url}]):
-        r = post(clip_server, "embeddings", {"model": f"open_clip:{ARCH}", "input": mixed})
+        r = post(clip_server, "embeddings", {"model": f"open_clip:{CLIP_ARCH}", "input": mixed})
         assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_request", r.text
         assert "modality" in r.json()["error"]["message"]
 
@@ -251,13 +249,13 @@ def test_langchain_and_llamaindex_embed_texts_as_their_users_write_it(clip_serve
     from llama_index.embeddings.openai_like import OpenAILikeEmbedding
 
     native = vectors(post(clip_server, "embeddings", {"texts": TEXTS}))
-    model = f"open_clip:{ARCH}"
+    model = f"open_clip:{CLIP_ARCH}"
     chain = OpenAIEmbeddings(model=model, base_url=f"{clip_server.url}/v1", api_key="unused",
                              check_embedding_ctx_length=False)  # its setting for servers that take strings
     np.testing.assert_allclose(chain.embed_documents(TEXTS), native, atol=1e-6)
     np.testing.assert_allclose(chain.embed_query(TEXTS[1]), native[1], atol=1e-6)
     with pytest.raises(openai.APIStatusError, match="chunk_size") as over:  # one call of more than the limit
-        chain.embed_documents([f"text {i}" for i in range(17)])  # (LIMITS: 16 texts)
+        chain.embed_documents([f"text {i}" for i in range(17)])  # (CLIP_LIMITS: 16 texts)
     assert over.value.status_code == 413
     llama = OpenAILikeEmbedding(model_name=model, api_base=f"{clip_server.url}/v1", api_key="unused")
     np.testing.assert_allclose(llama.get_text_embedding_batch(TEXTS), native, atol=1e-6)

@@ -9,7 +9,7 @@ import pytest
 import requests
 
 from harness.launch import GunicornServer
-from tests.conftest import E2E_MODEL
+from harness.servers import E2E_MODEL
 
 pytestmark = pytest.mark.e2e
 SLOW = "img006.jpg?delay=1.5&deadline=1"  # the e2e servers' fetch timeout is 2 s: only the deadline cuts it

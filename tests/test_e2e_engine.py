@@ -15,18 +15,17 @@ from pathlib import Path
 import pytest
 import requests
 
+from harness import images
+from harness.answers import metric_sum
 from harness.imagehost import ImageHost
 from harness.launch import GunicornServer
-from tests import images
-from tests.conftest import e2e_env
+from harness.servers import MODEL_WORK, e2e_env
 
 pytestmark = pytest.mark.e2e
 IMAGE = "data:image/jpeg;base64," + base64.b64encode(images.jpeg(256, 256, seed=11)).decode()
 BIG_IMAGE = "data:image/jpeg;base64," + base64.b64encode(images.jpeg(640, 480, seed=12)).decode()  # x40 < the 8 MB body cap
 
 
-# what a test of the model's own work sends: every image embedded again, not answered by the embedding cache
-MODEL_WORK = {"Cache-Control": "no-cache"}
 
 
 def embed(server: GunicornServer, n: int, image: str = IMAGE, **kw: object) -> requests.Response:
@@ -83,7 +82,7 @@ def wait_admitted(server: GunicornServer, n: int) -> None:
     """Until ``n`` images are admitted somewhere (the machine may be slow: don't guess with a sleep)."""
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
-        if _metric(requests.get(server.url + "/metrics", timeout=10).text, "greenserve_queue_images") >= n:
+        if metric_sum(requests.get(server.url + "/metrics", timeout=10).text, "greenserve_queue_images") >= n:
             return
         time.sleep(0.05)
     raise AssertionError(f"{n} images never admitted")
@@ -124,11 +123,6 @@ def test_a_burst_of_connections_spreads_over_the_workers(two_workers: GunicornSe
     assert len(per_worker) == 2 and max(per_worker.values()) <= 5, f"8 connections went {dict(per_worker)}"
 
 
-def _metric(text: str, name: str, labels: str = "") -> float:
-    pattern = re.compile(rf"^{re.escape(name)}(\{{[^}}]*{re.escape(labels)}[^}}]*\}})?\s+([0-9.e+-]+)$", re.M)
-    return sum(float(m.group(2)) for m in pattern.finditer(text))
-
-
 def test_metrics_count_what_happened_across_workers(two_workers: GunicornServer) -> None:
     def scrape() -> str:
         r = requests.get(two_workers.url + "/metrics", timeout=10)
@@ -143,14 +137,15 @@ def test_metrics_count_what_happened_across_workers(two_workers: GunicornServer)
     assert bad.status_code == 422
     after = scrape()
     ok_route = 'route="/v1/embeddings",status="200"'
-    assert _metric(after, "greenserve_requests_total", ok_route) - _metric(before, "greenserve_requests_total", ok_route) == 6
-    assert _metric(after, "greenserve_images_total") - _metric(before, "greenserve_images_total") == 12
-    assert _metric(after, "greenserve_image_errors_total", 'code="not_an_image"') >= 1
-    assert _metric(after, "greenserve_errors_total", 'code="not_an_image"') >= 1
-    assert _metric(after, "greenserve_stage_seconds_count", 'stage="inference"') >= 6
-    assert _metric(after, "greenserve_batch_size_count") >= 1
+    assert (metric_sum(after, "greenserve_requests_total", ok_route)
+            - metric_sum(before, "greenserve_requests_total", ok_route)) == 6
+    assert metric_sum(after, "greenserve_images_total") - metric_sum(before, "greenserve_images_total") == 12
+    assert metric_sum(after, "greenserve_image_errors_total", 'code="not_an_image"') >= 1
+    assert metric_sum(after, "greenserve_errors_total", 'code="not_an_image"') >= 1
+    assert metric_sum(after, "greenserve_stage_seconds_count", 'stage="inference"') >= 6
+    assert metric_sum(after, "greenserve_batch_size_count") >= 1
     assert len(re.findall(r"^greenserve_model_load_seconds\{", after, re.M)) == 2  # one per live worker
-    assert _metric(after, "greenserve_queue_images") == 0
+    assert metric_sum(after, "greenserve_queue_images") == 0
 
 
 def _thread_nices(pid: int) -> dict[int, int]:

@@ -16,13 +16,13 @@ from pathlib import Path
 import pytest
 import requests
 
+from harness import images
+from harness.answers import metric_sum
 from harness.faults import IdleFlood, SlowLoris, probe, worker_pid_answering
 from harness.imagehost import ImageHost
 from harness.launch import GunicornServer, free_port
 from harness.load import Load, load_summary
-from tests import images
-from tests.conftest import e2e_env
-from tests.test_e2e_engine import _metric
+from harness.servers import e2e_env
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 IMAGE = "data:image/jpeg;base64," + base64.b64encode(images.jpeg(256, 256, seed=21)).decode()
@@ -36,7 +36,7 @@ def embed_one(session: requests.Session, url: str) -> requests.Response:
 
 
 def images_through_model(server: GunicornServer) -> float:
-    return _metric(requests.get(server.url + "/metrics", timeout=10).text, "greenserve_images_total")
+    return metric_sum(requests.get(server.url + "/metrics", timeout=10).text, "greenserve_images_total")
 
 
 # longer than a broken server would take to infer images it had (a batch's gather bound is 2 s)
@@ -158,7 +158,7 @@ def test_a_client_that_leaves_stops_its_requests_work(faults_server: GunicornSer
         s.sendall(b"POST /v1/embeddings HTTP/1.1\r\nHost: greenserve\r\nContent-Type: application/json\r\n"
                   b"Content-Length: %d\r\n\r\n" % len(body) + body)
         time.sleep(1.0)
-        assert _metric(requests.get(srv.url + "/metrics", timeout=10).text, "greenserve_queue_images") == 40
+        assert metric_sum(requests.get(srv.url + "/metrics", timeout=10).text, "greenserve_queue_images") == 40
     done = none_reach_the_model(srv, image_host, before)  # every photo would have arrived and been inferred
     assert done <= 12, f"{done:.0f} of 40 images went through the model after the client left"
     assert "client_closed_request" in srv.log()

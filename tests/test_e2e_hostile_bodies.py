@@ -13,13 +13,13 @@ from pathlib import Path
 import pytest
 import requests
 
+from harness import images
+from harness.answers import code_of
 from harness.imagehost import ImageHost
 from harness.launch import GunicornServer
+from harness.servers import E2E_MODEL, GUARD_TOKEN, e2e_env
 from service.pipeline.json_body import LONG, MAX_SKELETON
 from service.settings import Settings
-from tests import images
-from tests.conftest import E2E_MODEL, GUARD_TOKEN, e2e_env
-from tests.test_e2e_protocol_refusals import code_of
 
 pytestmark = pytest.mark.e2e
 TIMEOUT = 60

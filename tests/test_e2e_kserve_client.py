@@ -14,7 +14,7 @@ import pytest
 import requests
 
 from harness.launch import GunicornServer
-from tests.conftest import E2E_MODEL
+from harness.servers import E2E_MODEL
 
 pytestmark = pytest.mark.e2e
 kserve = pytest.importorskip("kserve")

@@ -13,7 +13,7 @@ import pytest
 import requests
 
 from harness.launch import GunicornServer
-from tests.conftest import GUARD_TOKEN as TOKEN
+from harness.servers import GUARD_TOKEN as TOKEN
 
 pytestmark = pytest.mark.e2e
 TIMEOUT = 60

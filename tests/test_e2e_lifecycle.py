@@ -19,7 +19,7 @@ import requests
 from harness.imagehost import ImageHost
 from harness.launch import GunicornServer
 from harness.load import Load, load_summary
-from tests.conftest import e2e_env
+from harness.servers import e2e_env
 
 pytestmark = pytest.mark.e2e
 

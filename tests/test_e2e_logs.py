@@ -13,7 +13,7 @@ import requests
 
 from harness.imagehost import ImageHost
 from harness.launch import GunicornServer
-from tests.conftest import e2e_env
+from harness.servers import e2e_env
 
 pytestmark = pytest.mark.e2e
 ACCESS_FIELDS = {"request_id", "method", "route", "path", "status", "images", "timings_ms", "worker_pid", "bytes_in",

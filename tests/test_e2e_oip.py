@@ -18,9 +18,8 @@ from tritonclient.utils import InferenceServerException
 
 from harness.imagehost import ImageHost
 from harness.launch import GunicornServer
-from tests.conftest import E2E_MODEL
-from tests.conftest import GUARD_TOKEN as TOKEN
-from tests.test_e2e_engine import MODEL_WORK
+from harness.servers import E2E_MODEL, MODEL_WORK
+from harness.servers import GUARD_TOKEN as TOKEN
 
 pytestmark = pytest.mark.e2e
 TIMEOUT = 60

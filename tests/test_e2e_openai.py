@@ -14,7 +14,7 @@ import requests
 
 from harness.imagehost import ImageHost
 from harness.launch import GunicornServer
-from tests.conftest import E2E_MODEL, GUARD_TOKEN
+from harness.servers import E2E_MODEL, GUARD_TOKEN
 
 pytestmark = pytest.mark.e2e
 TIMEOUT = 60

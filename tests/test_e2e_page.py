@@ -18,8 +18,7 @@ import requests
 
 from harness.imagehost import ImageHost
 from harness.launch import GunicornServer
-from tests.conftest import GUARD_TOKEN, e2e_env
-from tests.test_e2e_clip import ARCH, LIMITS
+from harness.servers import CLIP_ARCH, CLIP_LIMITS, GUARD_TOKEN, e2e_env
 
 pytestmark = pytest.mark.e2e
 CHROMIUM, DRIVER = shutil.which("chromium") or "/usr/bin/chromium", shutil.which("chromedriver") or "/usr/bin/chromedriver"
@@ -45,7 +44,7 @@ def browser() -> Iterator[Any]:
 
 @pytest.fixture(scope="module")
 def clip_page(clip_checkpoint: Path, image_host: ImageHost) -> Iterator[GunicornServer]:
-    env = e2e_env(clip_checkpoint, image_host, GREENSERVE_MODEL=f"open_clip:{ARCH}", **LIMITS)
+    env = e2e_env(clip_checkpoint, image_host, GREENSERVE_MODEL=f"open_clip:{CLIP_ARCH}", **CLIP_LIMITS)
     with GunicornServer(env, workers=1) as srv:
         yield srv
 

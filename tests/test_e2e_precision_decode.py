@@ -16,8 +16,8 @@ import requests
 
 from harness.imagehost import ImageHost
 from harness.launch import GunicornServer
+from harness.servers import e2e_env
 from service.engine import precision
-from tests.conftest import e2e_env
 
 pytestmark = pytest.mark.e2e
 PHOTOS = [f"img{i:03d}.jpg" for i in range(8)] + ["big.jpg"]

@@ -11,8 +11,9 @@ import json
 import pytest
 import requests
 
+from harness.answers import code_of
 from harness.launch import GunicornServer
-from tests.conftest import E2E_MODEL
+from harness.servers import E2E_MODEL
 
 pytestmark = pytest.mark.e2e
 TIMEOUT = 60
@@ -37,13 +38,6 @@ def refusals(url: str) -> list[tuple[requests.Response, int, str]]:
                        files=[("images", ("a.jpg", b"x"))] + [("labels", (None, f"l{i}")) for i in range(1100)]),
          413, "body_too_large"),
     ]
-
-
-def code_of(response: requests.Response) -> str:
-    body = response.json()
-    if isinstance(body.get("error"), dict):  # native / OpenAI
-        return body["error"]["code"]
-    return body.get("error_code") or body["code"]  # TorchServe / OIP and KServe v1
 
 
 def test_protocol_refusals_keep_their_codes_and_the_workers(server: GunicornServer) -> None:

@@ -13,12 +13,10 @@ from pathlib import Path
 import pytest
 import requests
 
+from harness.answers import metric_sum, same_answer
 from harness.imagehost import ImageHost
 from harness.launch import GunicornServer
-from tests.conftest import e2e_env
-from tests.test_e2e_clip import ARCH, LIMITS
-from tests.test_e2e_engine import _metric
-from tests.test_streaming import same_answer
+from harness.servers import CLIP_ARCH, CLIP_LIMITS, e2e_env
 
 pytestmark = pytest.mark.e2e
 NDJSON = {"Accept": "application/x-ndjson"}
@@ -44,7 +42,7 @@ def timed_lines(url: str, body: dict, headers: dict[str, str] = NDJSON) -> tuple
 
 
 def images_total(server: GunicornServer) -> float:
-    return _metric(requests.get(server.url + "/metrics", timeout=10).text, "greenserve_images_total")
+    return metric_sum(requests.get(server.url + "/metrics", timeout=10).text, "greenserve_images_total")
 
 
 def test_lines_arrive_while_the_request_runs(server: GunicornServer) -> None:
@@ -108,8 +106,7 @@ def test_with_cancelling_off_a_client_that_leaves_lets_the_work_finish(weights_f
 
 @pytest.fixture(scope="module")
 def nginx_in_front(server: GunicornServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    from tests.test_deploy_nginx import nginx_binary
-    from tests.test_e2e_nginx import Nginx
+    from harness.nginx import Nginx, nginx_binary
 
     if nginx_binary() is None:
         pytest.skip("no nginx binary on PATH or in /usr/sbin: `make test` installs nginx-light as root with apt-get")
@@ -130,7 +127,7 @@ def test_the_stream_passes_the_shipped_nginx_line_by_line(nginx_in_front: str) -
 
 
 def test_rank_streams_scores_and_ends_with_the_ranking(clip_checkpoint: Path, image_host: ImageHost) -> None:
-    env = e2e_env(clip_checkpoint, image_host, GREENSERVE_MODEL=f"open_clip:{ARCH}", **LIMITS)
+    env = e2e_env(clip_checkpoint, image_host, GREENSERVE_MODEL=f"open_clip:{CLIP_ARCH}", **CLIP_LIMITS)
     body = {"images": ["img000.jpg", "img001.jpg", "img002.jpg"], "query": "a photo of a cat", "top_k": 2}
     with GunicornServer(env, workers=1) as srv:
         lines, _, _ = timed_lines(srv.url + "/v1/rank", body)

@@ -11,6 +11,8 @@ import numpy as np
 import pytest
 from flask.testing import FlaskClient
 
+from harness.fakes import BASE, FakeFetcher, FakeModel
+from harness.images import solid
 from service.app import create_app
 from service.engine.fairness import Callers, FairTags
 from service.engine.runner import Runner
@@ -18,8 +20,6 @@ from service.engine.scheduling import Admission, Gather, Scheduler
 from service.errors import Overloaded, OverShare
 from service.http.context import caller_of
 from service.settings import Settings, SettingsError
-from tests.fakes import FakeFetcher, FakeModel
-from tests.test_api import BASE, solid
 from tests.test_batcher import Forward, Policy, Request, make, pixel
 from tests.test_scheduling import AllCores
 

@@ -19,6 +19,8 @@ from pathlib import Path
 import gevent
 import pytest
 
+from harness import images
+from harness.fakes import FakeDNS
 from harness.imagehost import Canary, ImageHost
 from service.engine.urgency import Urgency
 from service.errors import ImageError
@@ -26,8 +28,6 @@ from service.pipeline import fetch_body
 from service.pipeline.fetch import HttpFetcher
 from service.pipeline.ssrf import AddressPolicy
 from service.settings import Settings
-from tests import images
-from tests.test_ssrf import FakeDNS
 
 JPEG = images.jpeg(320, 240)
 BLOBS = {"a.jpg": JPEG, "page.html": images.HTML * 40, "empty.jpg": b"",

@@ -9,11 +9,11 @@ import pytest
 from flask.testing import FlaskClient
 from PIL import Image
 
+from harness import images
+from harness.fakes import FakeFetcher, FakeModel
 from service.app import create_app
 from service.pipeline.postprocess import label_scores
 from service.settings import Settings
-from tests import images
-from tests.fakes import FakeFetcher, FakeModel
 
 BASE = "http://cdn.test/"
 

@@ -19,14 +19,14 @@ from schemathesis.core.result import Ok
 from schemathesis.specs.openapi.definitions import OPENAPI_31
 from werkzeug.test import TestResponse
 
+from harness import images
+from harness.fakes import FakeFetcher, FakeModel
 from service.app import create_app
 from service.errors import GreenserveError
 from service.http.openapi import build
 from service.http.protocols import openai
 from service.pipeline.text_options import TASK_FIELDS
 from service.settings import Settings
-from tests import images
-from tests.fakes import FakeFetcher, FakeModel
 
 BASE = "http://cdn.test/"
 PROTOCOL_BLUEPRINTS = ("oip", "kserve_v1", "torchserve", "static")  # described by their own specifications

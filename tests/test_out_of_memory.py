@@ -13,6 +13,8 @@ import torch
 from gevent.threadpool import ThreadPool
 from torch import nn
 
+from harness.fakes import BASE, FakeFetcher
+from harness.images import solid
 from service.app import create_app
 from service.engine.batcher import Batcher, Row
 from service.engine.forwarding import Outputs
@@ -20,8 +22,6 @@ from service.engine.model import LoadedModel
 from service.engine.types import ModelInfo, Transform
 from service.errors import OutOfMemory
 from service.settings import Settings
-from tests.fakes import FakeFetcher
-from tests.test_api import BASE, solid
 
 TOO_BIG = 1 << 50  # bytes: no allocator grants this
 
@@ -118,9 +118,9 @@ def test_over_http_the_hopeless_image_is_503_with_retry_after_and_the_worker_ans
 
 
 def test_decoding_on_the_device_out_of_memory_splits_the_batch_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    from harness import images
     from service.pipeline import device_decode
     from service.pipeline.decode import configure_pillow, jpeg_for_device, open_checked
-    from tests import images
 
     configure_pillow(40_000_000)
     real, calls = device_decode._decode, []

@@ -4,9 +4,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from harness import images
 from service.engine.types import Transform
 from service.pipeline.preprocess import preprocess
-from tests import images
 
 
 def test_output_is_uint8_crop_hwc() -> None:

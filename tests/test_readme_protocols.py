@@ -12,7 +12,7 @@ import requests
 
 from harness.imagehost import ImageHost
 from harness.launch import ROOT, GunicornServer
-from tests.conftest import E2E_MODEL
+from harness.servers import E2E_MODEL
 
 pytestmark = pytest.mark.e2e
 NAMES = ["img006.jpg", "img007.jpg"]

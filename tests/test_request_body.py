@@ -11,10 +11,10 @@ import zlib
 import pytest
 from flask.testing import FlaskClient
 
+from harness.fakes import BASE, FakeFetcher, FakeModel
+from harness.images import solid
 from service.app import create_app
 from service.settings import Settings
-from tests.fakes import FakeFetcher, FakeModel
-from tests.test_api import BASE, solid
 
 ROUTES = ["/v1/embeddings", "/v1/classify", "/v1/models/fake:predict"]
 

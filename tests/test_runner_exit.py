@@ -10,9 +10,9 @@ import time
 import gevent
 import numpy as np
 
+from harness.fakes import FakeModel
 from service.engine.runner import Runner
 from service.settings import Settings
-from tests.fakes import FakeModel
 
 
 def test_an_idle_runner_ends_its_threads() -> None:

@@ -10,13 +10,13 @@ import gevent.event
 import numpy as np
 import pytest
 
+from harness.fakes import FakeModel
 from service.engine.runner import Runner
 from service.engine.scheduling import Admission, Gather, Scheduler
 from service.engine.slots import RankedSlots
 from service.engine.urgency import HOLD_MAX_S, Urgency
 from service.errors import Overloaded
 from service.settings import Settings
-from tests.fakes import FakeModel
 
 
 def test_waiters_get_slots_in_rank_order_not_arrival_order() -> None:

@@ -4,27 +4,13 @@ from __future__ import annotations
 
 import ipaddress
 import socket
-from collections.abc import Sequence
 
 import pytest
 
+from harness.fakes import FakeDNS
 from service.errors import FetchError
 from service.pipeline.ssrf import AddressPolicy, blocked_reason, normalise_host, parse_inet_aton
 from service.settings import Settings
-
-
-class FakeDNS:
-    """A resolver that answers from a table and counts questions."""
-
-    def __init__(self, table: dict[str, Sequence[str]]) -> None:
-        self.table = table
-        self.asked: list[str] = []
-
-    def __call__(self, host: str, port: int) -> Sequence[str]:
-        self.asked.append(host)
-        if host not in self.table:
-            raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
-        return self.table[host]
 
 
 def refused(policy: AddressPolicy, scheme: str, host: str, port: int | None = None) -> FetchError:

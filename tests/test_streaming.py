@@ -10,10 +10,11 @@ from typing import Any
 import pytest
 from flask.testing import FlaskClient
 
+from harness.answers import same_answer
+from harness.fakes import BASE, FakeFetcher, FakeModel
+from harness.images import data_url, solid
 from service.app import create_app
 from service.settings import Settings
-from tests.fakes import FakeFetcher, FakeModel
-from tests.test_api import BASE, data_url, solid
 
 NDJSON = {"Accept": "application/x-ndjson"}
 SSE = {"Accept": "text/event-stream"}
@@ -39,19 +40,7 @@ def ndjson(client: FlaskClient, path: str, body: dict[str, Any]) -> list[dict[st
     return [json.loads(line) for line in r.data.splitlines()]
 
 
-def same_answer(lines: list[dict[str, Any]], plain: dict[str, Any]) -> None:
-    """The items (ordered by index) are the answer's data and errors; the last line the rest of it (a stream
-    is native: /v1/embeddings' OpenAI ``object`` and ``usage`` keys are not in it)."""
-    plain = {**plain, "data": [{k: v for k, v in d.items() if k != "object"} for d in plain["data"]]}
-    *items, last = lines
-    assert {line["event"] for line in items} == {"item"} and last["event"] == "done"
-    results = sorted((i for i in items if "error" not in i), key=lambda i: i["index"])
-    assert [{k: v for k, v in i.items() if k != "event"} for i in results] == plain["data"]
-    errors = sorted(({"index": i["index"], "image": i["image"], **i["error"]} for i in items if "error" in i),
-                    key=lambda e: e["index"])
-    assert errors == plain["errors"] == last["errors"]
-    assert "data" not in last and last["model"] == plain["model"]
-    assert set(last["timings_ms"]) == set(plain["timings_ms"]) and last["request_id"]
+
 
 
 @pytest.mark.parametrize("path", ["/v1/embeddings", "/v1/classify"])

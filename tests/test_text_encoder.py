@@ -12,6 +12,7 @@ import pytest
 import torch
 from gevent.event import AsyncResult
 
+from harness.fakes import FakeModel
 from service.engine.batcher import Row
 from service.engine.runner import Runner
 from service.engine.types import Tokens
@@ -20,7 +21,6 @@ from service.pipeline import postprocess
 from service.pipeline.inputs import parse_json
 from service.pipeline.text_encoder import TextEncoder
 from service.settings import Settings
-from tests.fakes import FakeModel
 
 
 class _Admission:

@@ -9,10 +9,10 @@ import pytest
 from flask.testing import FlaskClient
 from PIL import Image
 
+from harness import images
+from harness.fakes import FakeFetcher, FakeModel
 from service.app import create_app
 from service.settings import Settings
-from tests import images
-from tests.fakes import FakeFetcher, FakeModel
 
 
 def solid(value: int) -> bytes:

@@ -1,7 +1,9 @@
-"""Fakes for unit tests of the HTTP layer and the engine (the e2e tests use the real things)."""
+"""Fakes for unit tests of the HTTP layer, the pipeline and the engine (the e2e tests use the real things): a model,
+a fetcher whose images live under ``BASE``, and a resolver."""
 
 from __future__ import annotations
 
+import socket
 import threading
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
@@ -14,6 +16,7 @@ from service.errors import FetchError, ImageError
 from service.pipeline.fetch import Fetched, Validators
 
 LABELS = tuple(f"label{i}" for i in range(10))
+BASE = "http://cdn.test/"  # the image base URL of the unit tests' apps: their FakeFetcher's URLs start with it
 
 
 class FakeModel:
@@ -56,3 +59,17 @@ class FakeFetcher:
             self.calls.append(url)
             blob = self.blobs.get(url, FetchError(f"HTTP 404 for {url}", code="fetch_failed"))
             yield i, blob if isinstance(blob, ImageError) else Fetched(blob)
+
+
+class FakeDNS:
+    """A resolver that answers from a table and counts questions."""
+
+    def __init__(self, table: dict[str, Sequence[str]]) -> None:
+        self.table = table
+        self.asked: list[str] = []
+
+    def __call__(self, host: str, port: int) -> Sequence[str]:
+        self.asked.append(host)
+        if host not in self.table:
+            raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+        return self.table[host]

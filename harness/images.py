@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import io
 
 import numpy as np
@@ -47,6 +48,15 @@ def pixel_bomb(width: int = 20000, height: int = 20000) -> bytes:
 
 def tiff() -> bytes:
     return encode(photo(32, 32), "TIFF")
+
+
+def solid(value: int, fmt: str = "PNG") -> bytes:
+    """A 40x40 image of one grey (``value`` in each channel): the fake model's answer for it is known."""
+    return encode(Image.new("RGB", (40, 40), (value, value, value)), fmt)
+
+
+def data_url(blob: bytes) -> str:
+    return "data:image/png;base64," + base64.b64encode(blob).decode()
 
 
 HTML = b"<!doctype html><html><body>not an image</body></html>"
