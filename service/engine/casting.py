@@ -4,9 +4,9 @@
     TowerCast     swaps a tower's floating-point tensors between their float32 originals and one copy in
                   the lower dtype (``.data``, so TorchScript and shared mmapped tensors work alike)
 
-Autocast re-casts the weights on every call and sets up per shape: a ViT-B/32 ran 0.57x float32 under it at
-mixed batch sizes, and 3.7x float32 with its weights cast once (docs/BENCHMARKS.md). What stays float32 in a
-cast tower, and why:
+Autocast re-casts the weights on every call and sets up per shape, which a batcher's mixed sizes make worse;
+weights cast once run several times faster on native hardware (figures: docs/SIZING.md#precision). What stays
+float32 in a cast tower, and why:
 
 - normalisation layers (BatchNorm, LayerNorm, GroupNorm): their weights and running statistics; a bf16
   running variance keeps 3 significant digits, and CPU kernels take a bf16 input with float32 parameters;

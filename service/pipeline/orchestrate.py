@@ -46,8 +46,8 @@ log = logging.getLogger(__name__)
 
 
 # Texts take the worker's queue slots (GREENSERVE_MAX_QUEUE_IMAGES) at this many per slot: a CLIP text of
-# ~16 tokens costs about an eighth of an image's forward (ViT-B/32 on CPU: 120 texts/s vs 15 images/s,
-# docs/BENCHMARKS.md). Counted one per slot, 256-text requests were refused long before the model was busy.
+# ~16 tokens costs about an eighth of an image's forward. Counted one per slot, text requests were refused
+# long before the model was busy (docs/SCHEDULING.md#text).
 TEXTS_PER_SLOT = 8
 
 
