@@ -1,4 +1,6 @@
-"""Shared fixtures. End-to-end fixtures start real processes: gunicorn -k gevent and a local image host."""
+"""Fixtures for the whole tree: a private disk cache for every app, and the real things (a resnet18 state dict, the
+image host, a gunicorn server) that the e2e tests share with the few unit, deploy and docs tests that need one. The
+fixtures only e2e tests use are in ``e2e/conftest.py``."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ import pytest
 from harness import images
 from harness.imagehost import ImageHost
 from harness.launch import GunicornServer
-from harness.servers import CLIP_ARCH, GUARD_TOKEN, e2e_env
+from harness.servers import e2e_env
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -39,20 +41,6 @@ def weights_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def clip_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Seeded random weights saved the way open_clip's training saves them (``state_dict``, ``module.``)."""
-    import open_clip
-    import torch
-
-    torch.manual_seed(7)
-    model = open_clip.create_model(CLIP_ARCH, pretrained=None)
-    path = tmp_path_factory.mktemp("clip") / f"{CLIP_ARCH}.pt"
-    torch.save({"epoch": 1, "name": "test", "state_dict": {f"module.{k}": v for k, v in model.state_dict().items()}},
-               path)
-    return path
-
-
-@pytest.fixture(scope="session")
 def album() -> dict[str, bytes]:
     """What the image host serves: photos plus every kind of bad file."""
     blobs = {f"img{i:03d}.jpg": images.jpeg(800 + 40 * i, 600, seed=i) for i in range(8)}
@@ -77,12 +65,4 @@ def image_host(album: dict[str, bytes]) -> Iterator[ImageHost]:
 def server(weights_file: Path, image_host: ImageHost) -> Iterator[GunicornServer]:
     """greenserve under gunicorn -k gevent: 2 workers, resnet18 from a saved state dict."""
     with GunicornServer(e2e_env(weights_file, image_host), workers=2) as srv:
-        yield srv
-
-
-@pytest.fixture(scope="session")
-def guarded(weights_file: Path, image_host: ImageHost) -> Iterator[GunicornServer]:
-    """One worker with a token (GUARD_TOKEN) and a 4-image queue: auth and overload, for every protocol."""
-    env = e2e_env(weights_file, image_host, GREENSERVE_API_TOKEN=GUARD_TOKEN, GREENSERVE_MAX_QUEUE_IMAGES="4")
-    with GunicornServer(env, workers=1) as srv:
         yield srv

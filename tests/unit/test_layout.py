@@ -7,7 +7,9 @@ from pathlib import Path
 
 import pytest
 
-SERVICE = Path(__file__).resolve().parent.parent / "service"
+from harness.launch import ROOT
+
+SERVICE = ROOT / "service"
 # what each part may not import: only service.app and service.http speak HTTP (flask, werkzeug); the engine
 # knows nothing of HTTP, balancing or the pipeline, the pipeline nothing of HTTP or balancing, balancing
 # nothing of the engine's insides, and nothing imports the harness

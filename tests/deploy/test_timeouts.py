@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
+from harness.launch import ROOT
 from service.settings import Settings
 
-ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
 yaml = pytest.importorskip("yaml")
 
