@@ -34,7 +34,7 @@ test: $(STAMP) nginx browser redis
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -m "not e2e and not slow" $(PYTEST_ARGS)
 
-# A real nginx for tests/test_e2e_nginx.py (which skips without one): installed when missing, as root with
+# A real nginx for tests/e2e/test_e2e_nginx.py (which skips without one): installed when missing, as root with
 # apt-get (nginx-light where the distribution still has it). A failed install only makes those tests skip.
 APT_NGINX := DEBIAN_FRONTEND=noninteractive apt-get install -y -q nginx-light >/dev/null 2>&1 || \
 	DEBIAN_FRONTEND=noninteractive apt-get install -y -q nginx >/dev/null 2>&1
@@ -42,24 +42,24 @@ nginx:
 	@PATH="$$PATH:/usr/sbin:/sbin"; command -v nginx >/dev/null 2>&1 || [ "$$(id -u)" != 0 ] || \
 		! command -v apt-get >/dev/null 2>&1 || { $(APT_NGINX); } || \
 		{ apt-get update -qq >/dev/null 2>&1 && { $(APT_NGINX); }; } || \
-		echo "nginx could not be installed: tests/test_e2e_nginx.py will skip"
+		echo "nginx could not be installed: tests/e2e/test_e2e_nginx.py will skip"
 
-# A real headless browser for tests/test_e2e_page.py (which skips without one): Debian's chromium and its
+# A real headless browser for tests/e2e/test_e2e_page.py (which skips without one): Debian's chromium and its
 # matching chromium-driver, installed the same way.
 APT_BROWSER := DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium chromium-driver >/dev/null 2>&1
 browser:
 	@PATH="$$PATH:/usr/sbin:/sbin"; command -v chromedriver >/dev/null 2>&1 || [ "$$(id -u)" != 0 ] || \
 		! command -v apt-get >/dev/null 2>&1 || { $(APT_BROWSER); } || \
 		{ apt-get update -qq >/dev/null 2>&1 && { $(APT_BROWSER); }; } || \
-		echo "chromium could not be installed: tests/test_e2e_page.py will skip"
+		echo "chromium could not be installed: tests/e2e/test_e2e_page.py will skip"
 
-# A real redis-server for tests/test_e2e_cache_redis.py (which skips without one), installed the same way.
+# A real redis-server for tests/e2e/test_e2e_cache_redis.py (which skips without one), installed the same way.
 APT_REDIS := DEBIAN_FRONTEND=noninteractive apt-get install -y -q redis-server >/dev/null 2>&1
 redis:
 	@PATH="$$PATH:/usr/sbin:/sbin"; command -v redis-server >/dev/null 2>&1 || [ "$$(id -u)" != 0 ] || \
 		! command -v apt-get >/dev/null 2>&1 || { $(APT_REDIS); } || \
 		{ apt-get update -qq >/dev/null 2>&1 && { $(APT_REDIS); }; } || \
-		echo "redis-server could not be installed: tests/test_e2e_cache_redis.py will skip"
+		echo "redis-server could not be installed: tests/e2e/test_e2e_cache_redis.py will skip"
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

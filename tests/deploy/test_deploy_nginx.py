@@ -1,6 +1,6 @@
 """The nginx config and the templated unit, checked statically: their values nest around greenserve's settings,
-``nginx -t`` accepts the shipped config, ``systemd-analyze verify`` the unit's instances. Also the rendering the
-e2e test (tests/test_e2e_nginx.py) runs the shipped file through: only addresses and paths change."""
+``nginx -t`` accepts the shipped config as the e2e tests render it (``harness.deploy.render``: only addresses and
+paths change), ``systemd-analyze verify`` the unit's instances."""
 
 from __future__ import annotations
 

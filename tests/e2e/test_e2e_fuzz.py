@@ -29,7 +29,7 @@ SEED = 20250101  # fixed: a failure reproduces with the same command; change it 
 FUZZ_TIMEOUT_S = 300
 CHECKS = ("not_a_server_error", "status_code_conformance", "content_type_conformance",
           "response_schema_conformance", "response_headers_conformance")
-# A deadline shortened to nanoseconds is a 504 by contract (tests/test_api.py checks it); the fuzz sends one
+# A deadline shortened to nanoseconds is a 504 by contract (tests/unit/http/test_api.py checks it); the fuzz sends one
 # the work fits in, so that every 5xx it sees is a server fault.
 CONFIG = """
 [parameters]

@@ -1,5 +1,5 @@
 """A real nginx running the shipped deploy/nginx/greenserve.conf (only its addresses and paths swapped, see
-tests/test_deploy_nginx.py) in front of two real greenserve instances of one worker each, all on 127.0.0.1:
+harness/deploy.py) in front of two real greenserve instances of one worker each, all on 127.0.0.1:
 a crashed or draining instance fails no request, the body cap and request buffering hold at nginx, request
 ids pass through. Bounded: each load stops by itself, every socket has a timeout."""
 

@@ -1,6 +1,6 @@
 """The dtype choice and device JPEG decoding under real gunicorn -k gevent, against the float32 + Pillow server.
 
-The other e2e servers pin float32 (``conftest.e2e_env``). This CPU has no native bfloat16, so the default
+The other e2e servers pin float32 (``harness.servers.e2e_env``). This CPU has no native bfloat16, so the default
 (``auto``) serves float32 here and says why; with ``GREENSERVE_CPU_BF16=yes`` the same worker tries bfloat16
 (cast once and autocast), finds it agrees but runs slower (emulated), and serves float32 saying so; with
 ``GREENSERVE_JPEG_DECODE=device`` its JPEGs take the device path (the CPU's decoder here, nvJPEG on CUDA)."""
