@@ -24,8 +24,8 @@ K8S_VERSION = "1.37"  # the newest schema set kubernetes-validate 1.37 ships (it
 K8S_DIR = ROOT / "deploy" / "k8s"
 KSERVE_DIR = ROOT / "deploy" / "kserve"
 NOT_APPLIED = {"kustomization.yaml", "secret.example.yaml"}  # the latter: no placeholder token in a cluster
-# docs/BENCHMARKS.md, "Memory per worker (PSS), resnet50": PSS total of the worst weights mode (plain state dict
-# converted to channels_last) by worker count, and the queued photos of 8 albums on 2 workers (docs/SCHEDULING.md, "Order").
+# docs/BENCHMARKS.md, "Memory per worker" (resnet50): PSS total of the worst weights mode (plain state dict converted
+# to channels_last) by worker count, and the queued photos of 8 albums on 2 workers (docs/SCHEDULING.md#fetch-pacing).
 MEASURED_PSS_TOTAL_MB = {1: 754.4, 2: 1314.5, 4: 2515.0}
 MEASURED_QUEUED_PHOTOS_MB = 733
 HEALTHZ_P99_MAX_S = 0.041  # the worst /healthz p99 at saturation on 2 cores in docs/BENCHMARKS.md
