@@ -31,8 +31,9 @@ serve: $(STAMP)
 test: $(STAMP) nginx browser redis
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
+# tests/e2e/ holds only e2e tests: not even imported (their client libraries take seconds to import)
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -m "not e2e and not slow" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -m "not e2e and not slow" --ignore=tests/e2e $(PYTEST_ARGS)
 
 # A real nginx for tests/e2e/test_e2e_nginx.py (which skips without one): installed when missing, as root with
 # apt-get (nginx-light where the distribution still has it). A failed install only makes those tests skip.

@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 import torch
 
-from service.engine import open_clip_family
 from service.engine.loading import load_model, parse_model_name
 from service.engine.types import ModelLoadError
 from service.settings import Settings, SettingsError
@@ -76,12 +75,16 @@ def test_tokens_past_the_context_length_are_cut_keeping_the_end_token(plain_stat
 
 
 def test_random_weights_are_seeded_alike_in_every_worker() -> None:
+    from service.engine import open_clip_family  # here, not at the top: open_clip's import costs every collection
+
     a = open_clip_family._random(ARCH).state_dict()
     b = open_clip_family._random(ARCH).state_dict()
     assert all(torch.equal(a[k], b[k]) for k in ("visual.conv1.weight", "token_embedding.weight"))
 
 
 def test_a_pretrained_tag_resolves_from_the_local_cache_only(tmp_path: Path) -> None:
+    from service.engine import open_clip_family
+
     repo = "laion/CLIP-ViT-B-32-laion2B-s34B-b79K"
     snapshot = tmp_path / f"models--{repo.replace('/', '--')}" / "snapshots" / "abc123"
     snapshot.mkdir(parents=True)
