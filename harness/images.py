@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import base64
 import io
+import struct
+import zlib
 
 import numpy as np
 from PIL import Image
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
 def photo(width: int = 640, height: int = 480, seed: int = 0) -> Image.Image:
@@ -42,8 +46,14 @@ def truncated_jpeg() -> bytes:
 
 
 def pixel_bomb(width: int = 20000, height: int = 20000) -> bytes:
-    """A tiny PNG that claims a huge canvas (1-bit, compresses to almost nothing)."""
-    return encode(Image.new("1", (width, height)), "PNG")
+    """A tiny PNG that claims a huge canvas (1-bit, all black: compresses to almost nothing). Written chunk by chunk:
+    Pillow would first make the whole canvas in memory, a byte per pixel."""
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    header = struct.pack(">IIBBBBB", width, height, 1, 0, 0, 0, 0)  # bit depth 1, greyscale, no interlace
+    rows = bytes(height * (1 + (width + 7) // 8))  # each row: filter type 0, then its packed pixels
+    return PNG_SIGNATURE + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(rows, 9)) + chunk(b"IEND", b"")
 
 
 def tiff() -> bytes:

@@ -12,6 +12,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
+from harness.imagehost import STOP_POLL_S
 from harness.load import Load, load_summary
 
 
@@ -40,7 +41,7 @@ class _Handler(BaseHTTPRequestHandler):
 def server() -> Iterator[str]:
     _Handler.calls = []
     srv = ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    threading.Thread(target=srv.serve_forever, args=(STOP_POLL_S,), daemon=True).start()
     yield f"http://127.0.0.1:{srv.server_address[1]}"
     srv.shutdown()
     srv.server_close()
@@ -75,7 +76,7 @@ def test_no_answer_is_status_0_with_the_exception_named() -> None:
 
 
 def test_with_retry_after_a_refused_client_waits_as_told(server: str) -> None:
-    load = Load(server, 1, {"images": ["a.jpg"]}, duration_s=1.5, retry_after=True).start().join()
+    load = Load(server, 1, {"images": ["a.jpg"]}, duration_s=0.5, retry_after=True).start().join()
     # every third answer is a 429 with Retry-After: 2, so the client stops after the first one
     assert [d.status for d in load.done] == [200, 200, 429], [d.status for d in load.done]
 
@@ -94,7 +95,7 @@ class _Closer(_Handler):
 
 def test_a_keep_alive_connection_the_server_dropped_is_tried_once_more() -> None:
     srv = ThreadingHTTPServer(("127.0.0.1", 0), _Closer)
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    threading.Thread(target=srv.serve_forever, args=(STOP_POLL_S,), daemon=True).start()
     try:
         load = Load(f"http://127.0.0.1:{srv.server_address[1]}", 1, {"images": []}, duration_s=0.3).start().join()
     finally:

@@ -77,7 +77,7 @@ def test_sse_events_have_names_and_the_same_json(client: FlaskClient) -> None:
 
 
 def test_sse_sends_a_heartbeat_while_nothing_is_ready() -> None:
-    client = make(FakeModel(delay_s=0.5), stream_heartbeat_s=0.1, max_batch=1)
+    client = make(FakeModel(delay_s=0.3), stream_heartbeat_s=0.1, max_batch=1)
     r = client.post("/v1/embeddings", json={"images": ["g10.png", "g100.png"]}, headers=SSE)
     text = r.data.decode()
     assert text.count(": waiting\n\n") >= 3 and text.count("event: item") == 2 and "event: done" in text
