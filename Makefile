@@ -11,7 +11,7 @@ STAMP  := $(VENV)/.installed
 help:
 	@echo "make serve    create .venv, install, start gunicorn -k gevent on \$$GREENSERVE_BIND (127.0.0.1:8000)"
 	@echo "make test     create .venv, install, run the test suite"
-	@echo "make test-fast  the unit tests only: no server, no real model (about a minute)"
+	@echo "make test-fast  the unit tests only: no server, no real model (about 40 s on 2 cores)"
 	@echo "make lint     ruff (lint + import order) and mypy on service/"
 	@echo "make compare  gevent vs asyncio on the seed's CLIP ViT-B/32 (QUICK=1 for a short resnet18 run; MODEL=resnet50)"
 	@echo "make dtype    float32 vs bfloat16, bare and served with GREENSERVE_DTYPE=auto/float32 (QUICK=1, MODEL=, DTYPES=auto,float32, BF16=1 adds a pinned bfloat16 server)"
@@ -31,7 +31,7 @@ serve: $(STAMP)
 test: $(STAMP) nginx browser redis
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
-# tests/e2e/ holds only e2e tests: not even imported (their client libraries take seconds to import)
+# tests/e2e/ holds e2e tests only, so test-fast does not even import it (its clients' imports take seconds)
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -m "not e2e and not slow" --ignore=tests/e2e $(PYTEST_ARGS)
 
