@@ -11,7 +11,7 @@ STAMP  := $(VENV)/.installed
 help:
 	@echo "make serve    create .venv, install, start gunicorn -k gevent on \$$GREENSERVE_BIND (127.0.0.1:8000)"
 	@echo "make test     create .venv, install, run the test suite"
-	@echo "make test-fast  the unit tests only: no server, no real model (about a minute)"
+	@echo "make test-fast  the unit tests only: no server, no real model (about 40 s on 2 cores)"
 	@echo "make lint     ruff (lint + import order) and mypy on service/"
 	@echo "make compare  gevent vs asyncio on the seed's CLIP ViT-B/32 (QUICK=1 for a short resnet18 run; MODEL=resnet50)"
 	@echo "make dtype    float32 vs bfloat16, bare and served with GREENSERVE_DTYPE=auto/float32 (QUICK=1, MODEL=, DTYPES=auto,float32, BF16=1 adds a pinned bfloat16 server)"
@@ -31,10 +31,11 @@ serve: $(STAMP)
 test: $(STAMP) nginx browser redis
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
+# tests/e2e/ holds e2e tests only, so test-fast does not even import it (its clients' imports take seconds)
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -m "not e2e and not slow" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -m "not e2e and not slow" --ignore=tests/e2e $(PYTEST_ARGS)
 
-# A real nginx for tests/test_e2e_nginx.py (which skips without one): installed when missing, as root with
+# A real nginx for tests/e2e/test_e2e_nginx.py (which skips without one): installed when missing, as root with
 # apt-get (nginx-light where the distribution still has it). A failed install only makes those tests skip.
 APT_NGINX := DEBIAN_FRONTEND=noninteractive apt-get install -y -q nginx-light >/dev/null 2>&1 || \
 	DEBIAN_FRONTEND=noninteractive apt-get install -y -q nginx >/dev/null 2>&1
@@ -42,24 +43,24 @@ nginx:
 	@PATH="$$PATH:/usr/sbin:/sbin"; command -v nginx >/dev/null 2>&1 || [ "$$(id -u)" != 0 ] || \
 		! command -v apt-get >/dev/null 2>&1 || { $(APT_NGINX); } || \
 		{ apt-get update -qq >/dev/null 2>&1 && { $(APT_NGINX); }; } || \
-		echo "nginx could not be installed: tests/test_e2e_nginx.py will skip"
+		echo "nginx could not be installed: tests/e2e/test_e2e_nginx.py will skip"
 
-# A real headless browser for tests/test_e2e_page.py (which skips without one): Debian's chromium and its
+# A real headless browser for tests/e2e/test_e2e_page.py (which skips without one): Debian's chromium and its
 # matching chromium-driver, installed the same way.
 APT_BROWSER := DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium chromium-driver >/dev/null 2>&1
 browser:
 	@PATH="$$PATH:/usr/sbin:/sbin"; command -v chromedriver >/dev/null 2>&1 || [ "$$(id -u)" != 0 ] || \
 		! command -v apt-get >/dev/null 2>&1 || { $(APT_BROWSER); } || \
 		{ apt-get update -qq >/dev/null 2>&1 && { $(APT_BROWSER); }; } || \
-		echo "chromium could not be installed: tests/test_e2e_page.py will skip"
+		echo "chromium could not be installed: tests/e2e/test_e2e_page.py will skip"
 
-# A real redis-server for tests/test_e2e_cache_redis.py (which skips without one), installed the same way.
+# A real redis-server for tests/e2e/test_e2e_cache_redis.py (which skips without one), installed the same way.
 APT_REDIS := DEBIAN_FRONTEND=noninteractive apt-get install -y -q redis-server >/dev/null 2>&1
 redis:
 	@PATH="$$PATH:/usr/sbin:/sbin"; command -v redis-server >/dev/null 2>&1 || [ "$$(id -u)" != 0 ] || \
 		! command -v apt-get >/dev/null 2>&1 || { $(APT_REDIS); } || \
 		{ apt-get update -qq >/dev/null 2>&1 && { $(APT_REDIS); }; } || \
-		echo "redis-server could not be installed: tests/test_e2e_cache_redis.py will skip"
+		echo "redis-server could not be installed: tests/e2e/test_e2e_cache_redis.py will skip"
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

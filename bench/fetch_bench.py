@@ -25,9 +25,9 @@ from typing import Any
 
 import requests
 
+from harness import images
 from harness.imagehost import ImageHost
 from harness.launch import GunicornServer
-from tests import images
 
 URLS_PER_REQUEST = 30
 LATENCIES_MS = (0, 50, 200)

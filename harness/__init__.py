@@ -1,2 +1,3 @@
-"""Real processes for the end-to-end tests and the benchmarks: a gunicorn greenserve, a local image host
-with fault knobs, and the fault scenarios. Both ``tests/`` and ``bench/`` import this; it imports neither."""
+"""What the tests and the benchmarks share: real processes (a gunicorn greenserve, a local image host with fault
+knobs, nginx in front of a fleet), the fault scenarios and the load generator, the unit tests' fakes and images,
+and the checks tests make of a server's answers. Both ``tests/`` and ``bench/`` import this; it imports neither."""

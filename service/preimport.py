@@ -1,8 +1,8 @@
 """The master imports the model's libraries once, before it forks: each worker then starts with them.
 
-Importing torch, torchvision and a family's library costs a worker ~5 s of CPU (torchvision alone pulls in
-torch._dynamo), and after a HUP or a respawn that CPU came from the cores the serving workers use. Imported
-in the master, a new worker only builds its app and loads its model.
+Importing torch, torchvision and a family's library costs a worker seconds of CPU (torchvision alone pulls in
+torch._dynamo), and after a HUP or a respawn that CPU came from the cores the serving workers use
+(docs/SCHEDULING.md#hand-over). Imported in the master, a new worker only builds its app and loads its model.
 
 Importing is fork-safe where running is not: no OpenMP thread, CUDA context or torch thread pool exists until
 a worker's first forward (the one thread an import starts is OpenBLAS's, which handles fork). Only these

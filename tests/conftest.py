@@ -1,4 +1,6 @@
-"""Shared fixtures. End-to-end fixtures start real processes: gunicorn -k gevent and a local image host."""
+"""Fixtures for the whole tree: a private disk cache for every app, and the real things (a resnet18 state dict, the
+image host, a gunicorn server) that the e2e tests share with the few unit, deploy and docs tests that need one. The
+fixtures only e2e tests use are in ``e2e/conftest.py``."""
 
 from __future__ import annotations
 
@@ -7,13 +9,10 @@ from pathlib import Path
 
 import pytest
 
+from harness import images
 from harness.imagehost import ImageHost
 from harness.launch import GunicornServer
-from tests import images
-
-GUARD_TOKEN = "s3cret-e2e"  # the ``guarded`` server's GREENSERVE_API_TOKEN
-CLIP_ARCH = "ViT-S-32-alt"  # 43 M parameters: the smallest open_clip CLIP with both towers
-E2E_MODEL = "resnet18"  # small real torchvision model; weights saved to a temp file (no download here)
+from harness.servers import e2e_env
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -42,20 +41,6 @@ def weights_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def clip_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Seeded random weights saved the way open_clip's training saves them (``state_dict``, ``module.``)."""
-    import open_clip
-    import torch
-
-    torch.manual_seed(7)
-    model = open_clip.create_model(CLIP_ARCH, pretrained=None)
-    path = tmp_path_factory.mktemp("clip") / f"{CLIP_ARCH}.pt"
-    torch.save({"epoch": 1, "name": "test", "state_dict": {f"module.{k}": v for k, v in model.state_dict().items()}},
-               path)
-    return path
-
-
-@pytest.fixture(scope="session")
 def album() -> dict[str, bytes]:
     """What the image host serves: photos plus every kind of bad file."""
     blobs = {f"img{i:03d}.jpg": images.jpeg(800 + 40 * i, 600, seed=i) for i in range(8)}
@@ -76,28 +61,8 @@ def image_host(album: dict[str, bytes]) -> Iterator[ImageHost]:
         yield host
 
 
-def e2e_env(weights_file: Path, image_host: ImageHost, **extra: str) -> dict[str, str]:
-    """A server's environment. The dtype is pinned to float32: these servers are checked against each
-    other's routes and against float32 references to 1e-6, and on a CPU with native bfloat16 the default
-    (auto) would serve bfloat16. ``tests/test_e2e_precision_decode.py`` runs the default."""
-    env = {"GREENSERVE_MODEL": E2E_MODEL, "GREENSERVE_WEIGHTS": str(weights_file), "GREENSERVE_DTYPE": "float32",
-           "GREENSERVE_IMAGE_BASE_URL": image_host.base_url, "GREENSERVE_MAX_IMAGES": "40",
-           "GREENSERVE_MAX_BODY_BYTES": str(8 * 1024 * 1024), "GREENSERVE_MAX_IMAGE_PIXELS": "30000000",
-           "GREENSERVE_FETCH_TIMEOUT_S": "2", "GREENSERVE_LOG_LEVEL": "info"}
-    env.update(extra)
-    return env
-
-
 @pytest.fixture(scope="session")
 def server(weights_file: Path, image_host: ImageHost) -> Iterator[GunicornServer]:
     """greenserve under gunicorn -k gevent: 2 workers, resnet18 from a saved state dict."""
     with GunicornServer(e2e_env(weights_file, image_host), workers=2) as srv:
-        yield srv
-
-
-@pytest.fixture(scope="session")
-def guarded(weights_file: Path, image_host: ImageHost) -> Iterator[GunicornServer]:
-    """One worker with a token (GUARD_TOKEN) and a 4-image queue: auth and overload, for every protocol."""
-    env = e2e_env(weights_file, image_host, GREENSERVE_API_TOKEN=GUARD_TOKEN, GREENSERVE_MAX_QUEUE_IMAGES="4")
-    with GunicornServer(env, workers=1) as srv:
         yield srv

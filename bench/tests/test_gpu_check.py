@@ -78,15 +78,18 @@ def test_run_steps_records_errors_and_goes_on() -> None:
     assert log[0]["seconds"] == 2.0
 
 
-def test_default_plan_fits_every_phase_in_520_s_on_16_cores(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_default_plan_fits_every_phase_in_one_device_call_on_16_cores(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)))
     args = gpu_check.parse_args(["--out", "/nonexistent"])
-    steps = gpu_check.Run(args, args.cores, Budget(520), {}).steps()
-    rows = plan_rows(steps, 520, gpu_check.SETUP_S)
-    assert [r["phase"] for r in rows[:5]] == ["0 setup", "1 model", "2 server", "2 server", "3 oom"]
-    assert all(r["fits"] == "yes" for r in rows) and "cpu 16 workers, dtype float32, jpeg -" in rows[-1]["step"]
+    assert args.budget_s == gpu_check.BUDGET_S <= 480 - 120  # the call's timeout, less the install and a slow start
+    steps = gpu_check.Run(args, args.cores, Budget(args.budget_s), {}).steps()
+    rows = plan_rows(steps, args.budget_s, gpu_check.SETUP_S)
+    assert [r["phase"] for r in rows] == ["0 setup", "1 model", "2 server", "2 server", "3 oom", "4 layouts",
+                                          "4 layouts"]
+    assert all(r["fits"] == "yes" for r in rows) and rows[-1]["ends_at_s"] <= args.budget_s - 60  # a minute spare
     assert any("jpeg device" in r["step"] and r["phase"] == "2 server" for r in rows)
-    tight = plan_rows(steps, 400, gpu_check.SETUP_S)  # the tail of phase 4 only runs if earlier steps are quicker
+    assert rows[-1]["step"] == "cpu 16 workers, dtype auto, jpeg -"
+    tight = plan_rows(steps, 240, gpu_check.SETUP_S)  # the tail of phase 4 only runs if earlier steps are quicker
     assert tight[5]["fits"] == "yes" and tight[-1]["fits"] == "if time"
 
 
@@ -103,11 +106,8 @@ def test_bad_phase_on_the_command_line_is_a_usage_error(capsys: pytest.CaptureFi
     assert exc.value.code == 2 and "unknown phase(s) warp" in capsys.readouterr().err
 
 
-def test_default_layouts_cover_gpu_workers_and_cpu_workers() -> None:
-    layouts = gpu_check.default_layouts(16)
-    assert [lay.label for lay in layouts[:3]] == [Layout("cuda", w, jpeg="device").label for w in (4, 8, 1)]
-    assert [lay.workers for lay in layouts if lay.device == "cpu"] == [16, 4, 8, 2, 16]
-    assert layouts[-1] == Layout("cpu", 16, "float32")
+def test_default_layouts_are_four_workers_on_the_gpu_and_a_cpu_worker_per_core() -> None:
+    assert gpu_check.default_layouts(16) == [Layout("cuda", 4, jpeg="device"), Layout("cpu", 16)]
 
 
 # ---------------------------------------------------------------------- tables, goals, JSON
@@ -227,7 +227,8 @@ def test_help_shows_the_device_command_line() -> None:
     r = _module("--help")
     assert r.returncode == 0 and "--budget-s" in r.stdout
     assert "--no-index --find-links bench/out/gpu-wheels" in r.stdout
-    assert "PYTHONUNBUFFERED=1 python3 -m bench.gpu_check --out $OUT/gpu --budget-s 500" in r.stdout
+    assert f"PYTHONUNBUFFERED=1 python3 -m bench.gpu_check --out $OUT/gpu --budget-s {gpu_check.BUDGET_S}" in r.stdout
+    assert "timeout_s 480" in r.stdout
 
 
 @pytest.mark.slow  # a fresh interpreter imports torch

@@ -4,8 +4,8 @@ empty datagram).
 
 Without it a worker closed for being ahead looked again only at its next tick (20 ms): in a burst of
 connections the workers closed in turn, one arriving connection ahead of the other, and the burst came in
-at about one connection a tick while a probe behind it waited 2.0 s in the kernel's queue. Elsewhere than
-Linux there is no doorbell, and the ticks alone reopen.
+at about one connection a tick, with every connection behind it waiting in the kernel's queue (figures:
+docs/SCHEDULING.md#balance). Elsewhere than Linux there is no doorbell, and the ticks alone reopen.
 
 The sockets are the C module's, never gevent's: a ring must not wait. A doorbell whose queue is full has
 rings waiting already, and gevent's ``sendto`` would wait for room, ignoring ``MSG_DONTWAIT``.

@@ -41,15 +41,15 @@ from service.settings import Settings
 log = logging.getLogger(__name__)
 
 TICK_S = 0.02  # how often the decision is re-applied from the siblings' loads
-# How long a new connection counts as load before its first request. A burst of connections then spreads
-# (8 connections that sent nothing for 0.3 s went 4/4); idle ones stop steering clients after it.
+# How long a new connection counts as load before its first request: a burst of connections spreads over the
+# workers before its requests arrive, and idle ones stop steering clients after it (docs/SCHEDULING.md#balance).
 ARRIVAL_WINDOW_S = 1.0
 # A worker ahead of a closed sibling stays open while it is at most 1 ahead, or 1 per this many of its
 # arriving connections (``_decide``)
 ROOM_PER_ARRIVING = 8
 # After two workers last had requests at once, how long none borrows its siblings' cores: a sibling that
 # starts a forward during a borrowed one puts 3 torch threads on 2 cores, and libgomp's barriers stall both
-# (at 2 clients: p99 140-177 ms borrowing, 36-39 ms not). One client at a time keeps borrowing.
+# (docs/SCHEDULING.md#cores). One client at a time keeps borrowing.
 BORROW_QUIET_S = 2.0
 
 
@@ -158,7 +158,7 @@ class Balance:
         """Enough of the new generation serves for this old worker to stop, with ``workers`` wanted: the old
         ones leave one per ready replacement, lowest slot first, so as many workers serve as before. (When
         every old worker left at the first ready one, that one took all the load while its siblings were
-        still loading on the same cores: max latency 5.5x p50 across a HUP.)"""
+        still loading on the same cores: docs/SCHEDULING.md#hand-over.)"""
         if self._seat is None:
             return False
         new, old, old_below = self._seat.board.generations(self.slot)

@@ -131,9 +131,9 @@ class GreenserveWorker(ggevent.GeventWorker):  # type: ignore[misc]  # nor gunic
         finally:  # drained, stopped by a signal, or the master gone
             self._end_engine()
         # Stopped cleanly: every request is answered and the cache written. Finalizing the interpreter
-        # would only collect torch's heap, 3-4 s of CPU taken from the workers that serve on (right after a
-        # HUP it slowed every request for as long). gunicorn's own worker_exit hook is not run: this
-        # project's config has none.
+        # would only collect torch's heap, seconds of CPU taken from the workers that serve on right after a
+        # HUP (docs/SCHEDULING.md#hand-over). gunicorn's own worker_exit hook is not run: this project's
+        # config has none.
         self._exit_now("Worker exiting (pid: %s)", self.pid)
 
     def _end_engine(self) -> None:
@@ -192,9 +192,9 @@ class GreenserveWorker(ggevent.GeventWorker):  # type: ignore[misc]  # nor gunic
                 and time.monotonic() - seat.board.reload_at() < self.cfg.graceful_timeout)
 
     def _hand_over(self) -> None:
-        """Serve on until a replacement of its own serves, then stop as on any SIGTERM. Old
-        workers used to stop accepting at once, and requests waited for a new worker's model load (max
-        latency 6.3 s against p50 2.2 s). Bounded by the graceful timeout, and by the master's death."""
+        """Serve on until a replacement of its own serves, then stop as on any SIGTERM, so no request
+        waits for a new worker's model load (docs/SCHEDULING.md#hand-over). Bounded by the graceful timeout,
+        and by the master's death."""
         self.log.info("reload: worker %s serves until a replacement is ready", self.pid)
         self.balance.hand_over()
         until = time.monotonic() + self.cfg.graceful_timeout

@@ -2,9 +2,9 @@
 allocates before forking (torch-free, like the load board), so a replacement after a HUP or a respawn
 reads what its predecessor measured instead of measuring again.
 
-The one user is the precision trial (``engine.precision``): timing float32 against bfloat16 at three batch
-sizes is ~2 s of CPU on an idle 2-core host and ~7 s while the old workers serve a reload's load, on the
-cores they serve on; two workers timed under that load also chose differently. An entry is one key and
+The one user is the precision trial (``engine.precision``): timed again by every replacement, it took seconds
+of CPU from the cores the old workers serve a reload's load on, and two workers timed under that load chose
+differently (figures: docs/SCHEDULING.md#hand-over). An entry is one key and
 one value; a torn write fails its checksum and reads as nothing. Workers that would measure the same thing
 at once (the first start) take turns through ``exclusive``: the second reads what the first measured.
 """

@@ -1,8 +1,8 @@
 """A replacement worker boots at a lower CPU priority, and takes its own back once its model is ready.
 
 After a HUP or a respawn, the new worker imports torch and loads its model on the cores its serving siblings
-use: on 2 cores under load, that slowed every request served meanwhile (max latency 3.4-3.7x p50 across a
-reload). Booting at ``BOOT_NICE`` leaves those cores to the siblings that serve; the boot takes longer, and
+use, and slowed every request served meanwhile (docs/SCHEDULING.md#hand-over). Booting at ``BOOT_NICE``
+leaves those cores to the siblings that serve; the boot takes longer, and
 the old workers serve until it is done (``gunicorn_worker``).
 
 Linux nice values are per thread, so both steps renice every thread of the process, each by the boot's

@@ -1,10 +1,9 @@
 """Where entries live: ``MemoryStore`` (one worker's LRU) and ``DiskStore`` (sqlite in WAL mode, shared by the
 host's workers); ``redis_store.RedisStore`` is the fleet's. Each is a ``Store``: keys to bytes, many at once.
 
-Why sqlite: LMDB was 5x faster on an album's 30 writes and 8x on its lookups, but that is 2 ms per album
-against a 1.7 s cold album (docs/BENCHMARKS.md, "Embedding cache"); sqlite is in the standard library, its
-size cap and LRU eviction are one query, WAL lets every worker read while one writes, and a crashed writer
-never needs a repair.
+Why sqlite: faster stores (LMDB) save a negligible part of a cold album (docs/CACHE.md, "Why sqlite"); sqlite
+is in the standard library, its size cap and LRU eviction are one query, WAL lets every worker read while one
+writes, and a crashed writer never needs a repair.
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ from service.settings import Settings
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 MB = 1024 * 1024
-HASH_ON_HUB_BYTES = 64 * 1024  # sha256 runs ~1.5 GB/s here: a thumbnail is hashed on the hub, a photo in a thread
+HASH_ON_HUB_BYTES = 64 * 1024  # a thumbnail is hashed on the hub, a photo in a thread (docs/SCHEDULING.md#hub-turns)
 
 
 class EmbeddingCache:

@@ -4,8 +4,8 @@
     TowerCast     swaps a tower's floating-point tensors between their float32 originals and one copy in
                   the lower dtype (``.data``, so TorchScript and shared mmapped tensors work alike)
 
-Autocast re-casts the weights on every call and sets up per shape, so at a batcher's varying sizes it can be
-slower than float32 where a cast once is several times faster (docs/BENCHMARKS.md, "Precision"). What stays
+Autocast re-casts the weights on every call and sets up per shape, which a batcher's mixed sizes make worse;
+weights cast once run several times faster on native hardware (figures: docs/SIZING.md#precision). What stays
 float32 in a cast tower, and why:
 
 - normalisation layers (BatchNorm, LayerNorm, GroupNorm): their weights and running statistics; a bf16

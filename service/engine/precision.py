@@ -20,7 +20,7 @@ thread, before warm-up.
 A trial's outcome is kept in the server's ``Memo`` under everything it depends on (the weights' digest, the
 hardware, the sizes, the settings, torch's version): a worker that replaces another after a HUP or a
 respawn serves what was measured at the server's start, on idle cores, instead of timing again on cores
-that serve a reload's load (trials under load are slow and can choose differently).
+that serve a reload's load (two workers timed under that load chose differently: docs/SCHEDULING.md#hand-over).
 """
 
 from __future__ import annotations

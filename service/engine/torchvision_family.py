@@ -97,8 +97,8 @@ def export_checkpoint(name: str, weights: str, out: str, *, channels_last: bool 
     """Write ``name``'s weights as a state dict already in the serving layout, so that workers map it
     from the page cache and share it (an in-place conversion after loading would copy it per worker).
 
-    Conv+BN folding is not applied: it measured no faster here (ratio 1.000 on resnet50, CPU) and would
-    make the file unloadable as a plain torchvision state dict.
+    Conv+BN folding is not applied: it measured no faster on a CPU (docs/BENCHMARKS.md#precision) and
+    would make the file unloadable as a plain torchvision state dict.
     """
     model = load(name, weights, device=torch.device("cpu"), channels_last=channels_last)
     if model.info.format != "torchvision":

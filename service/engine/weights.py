@@ -55,7 +55,7 @@ def check_all_set(model: nn.Module, what: str) -> None:
 
 def digest(module: nn.Module) -> str:
     """sha256 of every tensor's name, dtype, shape and bytes, as loaded: the same weights from any file or
-    seed give the same digest, and any change gives another (about a tenth of a load's time)."""
+    seed give the same digest, and any change gives another (a small part of the load's time)."""
     h = hashlib.sha256()
     for name, tensor in module.state_dict().items():
         h.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)};".encode())

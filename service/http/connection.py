@@ -92,7 +92,7 @@ class _GuardedInput:
     """The body as gunicorn gives it, read 1 MiB at a time and handed out in the pieces asked for.
 
     werkzeug asks for 64 KiB at a time, and each such read made gunicorn's buffer copy what it held
-    beyond that (up to a whole recv) twice over: ~1 GB of copying for a 63 MB body, on the hub."""
+    beyond that (up to a whole recv) twice over, on the hub (docs/SCHEDULING.md#hub-turns)."""
 
     PIECE = 1 << 20
 
@@ -109,8 +109,8 @@ class _GuardedInput:
             if self._at >= len(self._held):
                 self._held, self._at = self._pull(self._stream.read, max(size, self.PIECE)), 0
             data = self._take(size)
-        # A socket that already holds data never makes this greenlet wait, so a 60 MB body was read in
-        # one turn of the hub (/healthz waited 200-380 ms); a turn for the others after every piece
+        # A socket that already holds data never makes this greenlet wait, so a large body was read in
+        # one turn of the hub (docs/SCHEDULING.md#hub-turns); a turn for the others after every piece
         gevent.sleep(0)
         return data
 

@@ -84,7 +84,7 @@ def served() -> Served | None:
 
 
 def json_response(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
-    # orjson, on the hub: 1.2 ms for 30 x 2,048 float32 arrays (lists of Python floats: 2.0 ms; json.dumps of
-    # those lists took 37 ms and had to be offloaded)
+    # orjson, on the hub: fast enough for the largest answer, which json.dumps of Python float lists had to
+    # offload (docs/SCHEDULING.md#hub-turns)
     return Response(orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY), status=status, headers=headers,
                     mimetype="application/json")

@@ -2,8 +2,8 @@
 
 Built from the code, for this server's settings: the request bodies from the parsers' field lists and
 limits (``service/openapi_schemas.py``), the bearer requirement and its 401 from ``protocols.needs_token``
-when ``GREENSERVE_API_TOKEN`` is set. ``tests/test_openapi.py`` checks the paths against the app's url rules
-and real responses against the schemas; ``tests/test_e2e_fuzz.py`` fuzzes a real server with schemathesis.
+when ``GREENSERVE_API_TOKEN`` is set. ``tests/unit/http/test_openapi.py`` checks the paths against the app's url rules
+and real responses against the schemas; ``tests/e2e/test_e2e_fuzz.py`` fuzzes a real server with schemathesis.
 The protocols' own routes (OIP v2, KServe v1, TorchServe) are described by their own specifications.
 """
 

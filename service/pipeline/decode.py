@@ -55,7 +55,7 @@ def decode_opened(img: Image.Image, data: bytes, *, draft_size: int | None = Non
         img.draft("RGB", (draft_size, draft_size))
     # Hand the decoder all the bytes in one call instead of Pillow's 64 KB blocks: it drops the GIL
     # for each call, and taking it back ~50 times per phone photo is what made decode threads get in
-    # the hub's way (the hub waited for the GIL for 27 ms per photo, against 0.3 ms in one call).
+    # the hub's way (docs/SCHEDULING.md#hub-turns).
     img.decodermaxblock = max(img.decodermaxblock, len(data))  # type: ignore[attr-defined]  # an ImageFile's
     try:
         img.load()

@@ -27,9 +27,9 @@ class Pace(Protocol):
 
 class Yield:
     """Between two chunks, let the hub's other greenlets run: a socket that already holds data never makes
-    its reader wait, so one fetch could read megabytes before /healthz gets a turn (p99 0.9 s -> 0.12 s).
-    Every chunk, not every millisecond: gevent's loop runs 50 queued callbacks between looks at the clock
-    before it polls for I/O, and 1 ms turns made /healthz p99 40-60 ms."""
+    its reader wait, so one fetch could read megabytes before /healthz gets a turn. Every chunk, not every
+    millisecond: gevent's loop runs 50 queued callbacks between looks at the clock before it polls for I/O
+    (figures: docs/SCHEDULING.md#hub-turns)."""
 
     def turn(self) -> None:
         gevent.sleep(0)
@@ -47,7 +47,7 @@ def read_body(resp: requests.Response, cap: int, pace: Pace = YIELD) -> bytes:
         raise _too_large(int(declared), cap)
     decoder = _decoder(resp.headers.get("Content-Encoding", ""))
     # the pieces are joined once at the end: growing one buffer copied each photo again on every
-    # resize (hub CPU to fetch a 30-photo album, 91 MB: 164-247 ms that way, 108-157 ms this way)
+    # resize, on the hub (docs/SCHEDULING.md#hub-turns)
     parts: list[bytes] = []
     size = received = 0
     sniffed = False

@@ -1,12 +1,12 @@
 """A request body that must be one JSON object, parsed without holding the GIL (and the hub) for long.
 
 orjson, not the standard library: it refuses lone surrogates (which no answer could echo back), nests at
-most 1,024 deep (the standard library's recursion ran out on 100,000 ``[``), and builds the document
-several times faster. But one ``orjson.loads`` is one C call holding the GIL, ~2.5 ms a MB of strings: a
-63 MiB body of data: URLs kept the hub's ``/healthz`` waiting 153 ms. So before it:
+most 1,024 deep (the standard library's recursion runs out on deep nesting), and builds the document
+several times faster. But one ``orjson.loads`` is one C call holding the GIL for the whole body, and the
+hub's ``/healthz`` waits that long (figures: docs/SCHEDULING.md#hub-turns). So before it:
 
-- counts of the body's arrays, objects and commas bound what parsing may allocate (20 million ``[]`` in
-  60 MB would be 1.1 GB of empty lists);
+- counts of the body's arrays, objects and commas bound what parsing may allocate (an empty list costs
+  Python far more than its two bytes);
 - long strings (base64 images, the only long strings a request has) are cut out, found with a few
   ``find`` calls, and put back after parsing, each made by one fast UTF-8 decode; what is left for orjson
   (the skeleton) is bounded too.
@@ -25,9 +25,9 @@ from service.errors import PayloadTooLarge, RequestError
 
 # arrays + objects in one JSON body: the largest real request (OIP JSON, 64 images as [[...]]) has ~130
 MAX_JSON_CONTAINERS = 100_000
-# commas: an upper bound on the body's items, each a Python object once parsed, and parsing holds the GIL
-# (the hub's too) ~0.14 us an item: 1.09 M items kept /healthz waiting 410 ms. A real request has ~2,000
-# items (1,024 texts, 1,000 labels or 64 images); the rest of the bound is room for commas inside texts
+# commas: an upper bound on the body's items, each a Python object once parsed while parsing holds the GIL
+# (the hub's too): the bound keeps that hold to tens of ms. A real request has ~2,000 items (1,024 texts,
+# 1,000 labels or 64 images); the rest of the bound is room for commas inside texts
 MAX_JSON_ITEMS = 250_000
 # the pre-scans and base64 decoding go in steps of this (a multiple of 4 characters): one C call holds
 # the GIL throughout, and the interpreter can hand it to the hub only between calls
@@ -35,12 +35,11 @@ GIL_STEP = 1 << 20
 # strings at least this long are taken out before orjson; a string shorter than this and not escaped is
 # always seen, because every run of LONG bytes holds a multiple of LONG
 LONG = 64 << 10
-# what orjson may parse in one call, long strings taken out: ~40 ms of GIL. A real request's is at most
+# what orjson may parse in one call, long strings taken out: tens of ms of GIL. A real request's is at most
 # ~12 MB (1,024 texts of 2,000 characters, each escaped as \\uXXXX)
 MAX_SKELETON = 16 << 20
 # items (arrays, objects, commas) in a body with long strings: putting them back walks the document in
-# Python, ~0.3 us an item (100,000 objects kept /healthz waiting 486 ms). A real one has images and at most
-# ~1,000 labels
+# Python, slower an item than parsing. A real one has images and at most ~1,000 labels
 MAX_ITEMS_WITH_LONG = 20_000
 _AFTER_A_STRING = frozenset(b' \t\r\n:,]}')
 
@@ -74,7 +73,7 @@ def load_json(body: bytes, example: str = '{"images": ["https://.../a.jpg"]}') -
 
 
 def _count(body: bytes, byte: bytes) -> int:
-    """``body.count(byte)`` in ``GIL_STEP`` steps (one call over 60 MB held the GIL 55 ms)."""
+    """``body.count(byte)`` in ``GIL_STEP`` steps (one call over a whole body holds the GIL for tens of ms)."""
     return sum(body.count(byte, i, i + GIL_STEP) for i in range(0, len(body), GIL_STEP))
 
 

@@ -8,11 +8,11 @@ import gevent
 import pytest
 from flask.testing import FlaskClient
 
-from harness.fakes import FakeFetcher, FakeModel
+from harness.fakes import BASE, FakeFetcher, FakeModel
+from harness.images import solid
 from service.app import create_app
 from service.http.context import caller_of
 from service.settings import Settings, SettingsError
-from tests.test_api import BASE, solid
 
 
 def test_callers_are_told_apart_by_the_configured_sources_in_order() -> None:
