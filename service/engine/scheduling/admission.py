@@ -2,7 +2,9 @@
 admitted images (``Callers``).
 
 A caller is what ``http.context.caller_of`` says (a token digest, X-Client-ID, an address): an opaque string
-here, kept while its work is admitted, and for ``rules.RECENT_CALLER_S`` after in ``Callers.seen``.
+here. What is kept of callers is bounded: a fair finish tag and a count only while a caller has work
+admitted, and the last ``RECENT_KEPT`` callers' admission times (``rules.sharing`` only asks whether two or
+more callers were here within ``rules.RECENT_CALLER_S``).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from collections.abc import Callable, Iterator
 from service.engine.scheduling.rules import RequestView
 
 _keys = itertools.count(1)
+RECENT_KEPT = 64
 
 
 class Admission:
@@ -65,7 +68,8 @@ class FairTags:
     """Start-time fair queueing over images. A request of ``n`` images from ``caller`` starts at
     max(now, the caller's last finish) and its image i is tagged start + i; "now" is the tag of the image
     the batcher took last. A caller's requests so follow each other, and callers interleave one image each.
-    Only callers with a finish ahead of now are remembered."""
+    A caller is forgotten when it has no work left (``forget``): its images were all taken, so its finish
+    was at most one image ahead of now, and it starts at now again."""
 
     def __init__(self) -> None:
         self.now = 0.0
@@ -77,10 +81,13 @@ class FairTags:
         return begin
 
     def taken(self, tag: float) -> None:
-        if tag > self.now:
-            self.now = tag
-            if len(self._finish) > 64:  # forget callers whose work is all behind now
-                self._finish = {c: f for c, f in self._finish.items() if f > tag}
+        self.now = max(self.now, tag)
+
+    def forget(self, caller: str) -> None:
+        self._finish.pop(caller, None)
+
+    def __len__(self) -> int:
+        return len(self._finish)
 
 
 class Callers:
@@ -91,15 +98,22 @@ class Callers:
         self.admitted: dict[str, int] = {}  # admitted images per caller
         self.seen: dict[str, float] = {}  # when each recent caller was last admitted
 
-    def admit(self, caller: str, n_images: int, now: float, recent_s: float) -> float:
+    def admit(self, caller: str, n_images: int, now: float) -> float:
         """Count the request's images for ``caller``; its fair start tag."""
         self.admitted[caller] = self.admitted.get(caller, 0) + n_images
-        self.seen[caller] = now
-        if len(self.seen) > 64:
-            self.seen = {c: t for c, t in self.seen.items() if now - t < recent_s}
+        self.seen.pop(caller, None)
+        self.seen[caller] = now  # the most recent last
+        if len(self.seen) > RECENT_KEPT:
+            del self.seen[next(iter(self.seen))]
         return self.tags.start(caller, n_images)
 
     def release(self, caller: str, n_images: int) -> None:
         left = self.admitted.pop(caller) - n_images
         if left:
             self.admitted[caller] = left
+        else:
+            self.tags.forget(caller)
+
+    def tracked(self) -> int:
+        """Callers something is kept of (bounded by the admitted ones plus ``RECENT_KEPT``)."""
+        return len(set(self.admitted) | set(self.seen) | set(self.tags._finish))

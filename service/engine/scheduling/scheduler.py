@@ -89,7 +89,7 @@ class Scheduler:
         self._refuse(rules.admission(self.view(), caller, n_images, ready), caller)
         now = time.monotonic()
         coming = n_images if coming is None else coming
-        start = self._callers.admit(caller, n_images, now, rules.RECENT_CALLER_S)
+        start = self._callers.admit(caller, n_images, now)
         admission = Admission(coming, now if arrived is None else arrived, start, caller, streamed=streamed,
                               settled=self.settle)
         self._admitted += n_images

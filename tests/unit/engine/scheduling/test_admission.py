@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from service.engine.scheduling.admission import Admission, Callers, FairTags
+from service.engine.scheduling.admission import RECENT_KEPT, Admission, Callers, FairTags
 
 
 def test_fair_tags() -> None:
@@ -15,14 +15,6 @@ def test_fair_tags() -> None:
     assert tags.start("light", 1) == 11.0 and tags.start("heavy", 30) == 120.0
     tags.taken(5.0)
     assert tags.now == 10.0, "fair time never goes back"
-
-
-def test_fair_tags_forget_callers_whose_work_is_behind() -> None:
-    tags = FairTags()
-    for i in range(200):
-        tags.start(f"caller {i}", 1)
-    tags.taken(500.0)
-    assert tags._finish == {}, "callers with nothing ahead of now are not remembered"
 
 
 def test_an_admission_tags_its_images_as_they_come_and_settles_each_once() -> None:
@@ -38,15 +30,22 @@ def test_an_admission_tags_its_images_as_they_come_and_settles_each_once() -> No
     assert request.view().upstream_before(11.5) == 0
 
 
-def test_callers_count_admitted_images_and_forget_idle_callers() -> None:
+def test_callers_count_admitted_images_and_keep_nothing_of_a_caller_with_no_work_but_its_recent_visit() -> None:
     callers = Callers()
-    callers.admit("a", 3, now=0.0, recent_s=1.0)
-    callers.admit("a", 2, now=0.0, recent_s=1.0)
+    callers.admit("a", 3, now=0.0)
+    callers.admit("a", 2, now=0.0)
     callers.release("a", 3)
-    assert callers.admitted == {"a": 2}
+    assert callers.admitted == {"a": 2} and len(callers.tags) == 1
     callers.release("a", 2)
-    assert callers.admitted == {}
-    for i in range(70):
-        callers.admit(f"c{i}", 1, now=float(i), recent_s=1.0)
-        callers.release(f"c{i}", 1)
-    assert len(callers.seen) <= 65
+    assert callers.admitted == {} and len(callers.tags) == 0 and list(callers.seen) == ["a"]
+
+
+def test_a_hundred_thousand_one_image_callers_leave_bounded_state() -> None:
+    """Each caller's image is taken at the fair tag it started at (now does not move), then it leaves."""
+    callers = Callers()
+    for i in range(100_000):
+        tag = callers.admit(f"caller {i}", 1, now=i * 1e-5)
+        callers.tags.taken(tag)
+        callers.release(f"caller {i}", 1)
+    assert callers.tracked() == RECENT_KEPT and len(callers.tags) == 0
+    assert list(callers.seen)[-1] == "caller 99999"
