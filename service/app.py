@@ -5,6 +5,7 @@
              ─▶ fetcher (concurrent, bounded URL fetching)
              ─▶ cache (embeddings by image content: memory, then disk or redis; GREENSERVE_CACHE)
              ─▶ orchestrator (fetch → decode → infer → postprocess for one request)
+             ─▶ data plane (the request path every protocol shares: parse, check, run; in app.extensions)
              ─▶ http (hooks, native routes, the protocols' routes, /openapi.json, the page at /: every blueprint
                 registered here; the body guard around them)
 """
@@ -22,8 +23,9 @@ from service.cache import tiers
 from service.cache.tiers import EmbeddingCache
 from service.engine.loading import import_family, load_for_worker
 from service.engine.runner import Model, Runner
-from service.http import hooks, openapi, protocols, routes, ui
+from service.http import current, hooks, openapi, protocols, routes, ui
 from service.http.connection import guard_body, werkzeug_limits
+from service.http.dataplane import DataPlane
 from service.pipeline import device_decode
 from service.pipeline.decode import configure_pillow
 from service.pipeline.fetch import Fetcher, HttpFetcher
@@ -55,8 +57,7 @@ def create_app(settings: Settings | None = None, *, model: Model | None = None,
                                 on_image_error=lambda err: metrics.IMAGE_ERRORS.labels(err.code).inc(),
                                 cache=cache if cache is not None else tiers.from_settings(settings))
     app = Flask("greenserve")
-    app.extensions["greenserve"] = {"settings": settings, "runner": runner, "orchestrator": orchestrator,
-                                    "balance": balance, "texts": texts}
+    app.extensions[current.EXTENSION] = DataPlane(settings, runner, orchestrator, balance)
     for blueprint in (hooks.bp, routes.bp, *protocols.BLUEPRINTS, openapi.bp, ui.bp):
         app.register_blueprint(blueprint)
     app.config.update(werkzeug_limits(settings))

@@ -1,4 +1,4 @@
-"""The request body every route reads: ``read(parts)`` is the body as sent, or inflated when it comes with
+"""The request body every route reads: ``read()`` is the body as sent, or inflated when it comes with
 ``Content-Encoding: gzip`` or ``deflate`` (tritonclient's request_compression_algorithm; any client that
 compresses an album of data: URLs), never past the body cap. Any other encoding is 415.
 
@@ -13,20 +13,21 @@ import zlib
 from flask import request
 
 from service.errors import PayloadTooLarge, RequestError, UnsupportedMediaType
-from service.http import dataplane
+from service.http import current
 
 COMPRESSED = ("gzip", "deflate")
 _GZIP_MAGIC = b"\x1f\x8b"
 
 
-def read(p: dataplane.Parts, *, bad_code: str = "malformed_body") -> bytes:
+def read(*, bad_code: str = "malformed_body") -> bytes:
     """The whole body, inflated if compressed; a compressed body that does not inflate is 400 ``bad_code``
     (OIP says ``invalid_tensor``, as for its other framing faults)."""
     encoding = _encoding()
     raw = request.get_data(cache=False)
     if encoding == "identity":
         return raw
-    return p.runner.offload(_inflate, raw, encoding, p.settings.max_body_bytes, bad_code)
+    plane = current.plane()
+    return plane.runner.offload(_inflate, raw, encoding, plane.settings.max_body_bytes, bad_code)
 
 
 def check_form() -> None:

@@ -1,5 +1,5 @@
-"""What the routes take from Flask, in one place: this request's context, the app's parts, the access
-line's facts and a JSON response. The data plane below gets these as arguments."""
+"""What the routes take from Flask, in one place: the app's data plane, this request's context, the access
+line's facts and a JSON response. The data plane gets the context as an argument."""
 
 from __future__ import annotations
 
@@ -10,11 +10,17 @@ from typing import Any, cast
 import orjson
 from flask import Response, current_app, g, request, stream_with_context
 
-from service.http import dataplane, streaming
+from service.http import streaming
 from service.http.context import RequestContext
-from service.http.dataplane import Parts, Served
+from service.http.dataplane import DataPlane, Served
 from service.pipeline.orchestrate import Rows
 from service.pipeline.requests import InferenceRequest
+
+EXTENSION = "greenserve"  # the app's data plane, in ``app.extensions`` (``create_app`` puts it there)
+
+
+def plane() -> DataPlane:
+    return cast(DataPlane, current_app.extensions[EXTENSION])
 
 
 def context() -> RequestContext:
@@ -26,31 +32,26 @@ def context_or_none() -> RequestContext | None:
     return cast(RequestContext | None, g.get("context"))
 
 
-def parts() -> Parts:
-    ext = current_app.extensions["greenserve"]
-    return Parts(ext["settings"], ext["runner"], ext["orchestrator"], ext["balance"])
-
-
 @contextmanager
-def busy() -> Iterator[Parts]:
-    """Around parsing and running: siblings see this worker as busy from here (parsing included)."""
-    p = parts()
-    with p.balance.inference():
-        yield p
+def busy() -> Iterator[DataPlane]:
+    """The data plane, around parsing and running: siblings see this worker as busy from here."""
+    the_plane = plane()
+    with the_plane.busy():
+        yield the_plane
 
 
-def run(p: Parts, req: InferenceRequest, task: str, *, timeout_s: float | None = None) -> dict[str, Any]:
+def run(req: InferenceRequest, task: str, *, timeout_s: float | None = None) -> dict[str, Any]:
     """The data plane's answer to this request, its work noted for the access line (its size first: a
     request that fails still says how many images it had)."""
-    note(Served(dataplane.size(req), {}))
-    answer = dataplane.run(p, context(), req, task, timeout_s=timeout_s)
+    note(Served.sized(req))
+    answer = plane().run(context(), req, task, timeout_s=timeout_s)
     note(answer.served)
     return answer.body
 
 
-def run_rows(p: Parts, req: InferenceRequest, tasks: tuple[str, ...], *, timeout_s: float | None = None) -> Rows:
-    note(Served(dataplane.size(req), {}))
-    rows, work = dataplane.run_rows(p, context(), req, tasks, timeout_s=timeout_s)
+def run_rows(req: InferenceRequest, tasks: tuple[str, ...], *, timeout_s: float | None = None) -> Rows:
+    note(Served.sized(req))
+    rows, work = plane().run_rows(context(), req, tasks, timeout_s=timeout_s)
     note(work)
     return rows
 
@@ -62,10 +63,10 @@ def streamed_format() -> str | None:
     return best if best in streaming.FORMATS else None
 
 
-def stream(p: Parts, req: InferenceRequest, task: str, media_type: str) -> Response:
+def stream(req: InferenceRequest, task: str, media_type: str) -> Response:
     """A streamed answer (``streaming``), started in its own greenlet; the access line waits for its end."""
-    note(Served(dataplane.size(req), {}))
-    started = streaming.start(p, context(), req, task, media_type)
+    note(Served.sized(req))
+    started = streaming.start(plane(), context(), req, task, media_type)
     g.stream = started
     return Response(stream_with_context(started.lines()), mimetype=media_type, headers=streaming.HEADERS)
 

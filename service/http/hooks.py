@@ -32,7 +32,7 @@ _CONTEXT_HEADERS = ("X-Request-ID", "X-Request-Timeout", "Authorization", "X-Cli
 
 @bp.before_app_request
 def _start() -> None:
-    settings = current_app.extensions["greenserve"]["settings"]
+    settings = current.plane().settings
     headers = {k: request.headers[k] for k in _CONTEXT_HEADERS if k in request.headers}
     g.context = RequestContext.begin(headers, request.environ.get("gunicorn.socket"), time.monotonic(),
                                      remote_addr=request.remote_addr, caller_from=settings.caller_from)
@@ -56,7 +56,7 @@ def _finish(response: Response) -> Response:
         response.headers["Server-Timing"] = f"app;dur={took_ms:.1f}"
     if work and work.cache and response.status_code == 200:  # RFC 9211; not on a stream: sent before it knows
         response.headers["Cache-Status"] = work.cache.header()
-    if current_app.extensions["greenserve"]["settings"].log_format != "json":  # text: gunicorn's access log
+    if current.plane().settings.log_format != "json":  # text: gunicorn's access log
         return response
     fields = {"request_id": _request_id(), "method": request.method, "route": route,
               "path": request.path, "status": response.status_code, "images": work.images if work else 0,
@@ -92,7 +92,7 @@ def handle_http(exc: HTTPException) -> Response:
     status = exc.code or 500
     message = exc.description or exc.name
     if status == 413:
-        limit = current_app.extensions["greenserve"]["settings"].max_body_bytes
+        limit = current.plane().settings.max_body_bytes
         message = f"the request body exceeds {limit} bytes; send fewer/smaller images or set GREENSERVE_MAX_BODY_BYTES"
         if request.content_length is not None and request.content_length <= limit:  # werkzeug's part count
             message = (f"the form has more than {current_app.config['MAX_FORM_PARTS']} parts; send fewer images "

@@ -1,7 +1,7 @@
 """The native API's OpenAPI 3.1 document, served at ``/openapi.json``.
 
 Built from the code, for this server's settings: the request bodies from the parsers' field lists and
-limits (``service/openapi_schemas.py``), the bearer requirement and its 401 from ``protocols.needs_token``
+limits (``openapi_schemas.py``), the bearer requirement and its 401 from ``protocols.needs_token``
 when ``GREENSERVE_API_TOKEN`` is set. ``tests/unit/http/test_openapi.py`` checks the paths against the app's url rules
 and real responses against the schemas; ``tests/e2e/test_e2e_fuzz.py`` fuzzes a real server with schemathesis.
 The protocols' own routes (OIP v2, KServe v1, TorchServe) are described by their own specifications.
@@ -17,7 +17,7 @@ import orjson
 from flask import Blueprint, Response
 
 from service.engine.types import ModelInfo
-from service.http import current, dataplane, protocols
+from service.http import current, model_names, protocols
 from service.http.openapi_schemas import TASKS, Schema, ref, request_schemas, response_schemas
 from service.settings import Settings
 
@@ -70,8 +70,8 @@ bp = Blueprint("openapi", __name__)
 
 @bp.get("/openapi.json")
 def document() -> Response:
-    p = current.parts()
-    return Response(_encoded(p.settings, p.runner.info), mimetype="application/json")
+    plane = current.plane()
+    return Response(_encoded(plane.settings, plane.info), mimetype="application/json")
 
 
 @functools.lru_cache(maxsize=8)
@@ -81,7 +81,7 @@ def _encoded(settings: Settings, info: ModelInfo | None) -> bytes:
 
 def build(settings: Settings, info: ModelInfo | None = None) -> dict[str, Any]:
     """The document for a server running with ``settings``, serving ``info`` (None while it loads)."""
-    model = info.name if info else settings.model  # the name requests must use (``dataplane.model_name``)
+    model = model_names.served_name(info, settings.model)  # the name requests must use
     dim = info.embedding_dim if info else None
     doc: dict[str, Any] = {
         "openapi": OPENAPI_VERSION,
@@ -92,7 +92,7 @@ def build(settings: Settings, info: ModelInfo | None = None) -> dict[str, Any]:
                                 f"({settings.max_body_bytes} bytes) are refused with 413; other methods on these "
                                 "paths are 405."},
         "paths": _paths(settings),
-        "components": {"schemas": {**request_schemas(settings, _model_names(model), dim), **response_schemas()},
+        "components": {"schemas": {**request_schemas(settings, model_names.names(model), dim), **response_schemas()},
                        "headers": _HEADERS, "parameters": _parameters(model)},
     }
     if settings.api_token:
@@ -101,16 +101,11 @@ def build(settings: Settings, info: ModelInfo | None = None) -> dict[str, Any]:
     return doc
 
 
-def _model_names(model: str) -> list[str]:
-    """What a request may name: the model (its classes) and ``<name>-embedding`` (``dataplane.resolve_model``)."""
-    return [model, model + dataplane.EMBEDDING_SUFFIX]
-
-
 def _parameters(model: str) -> dict[str, Schema]:
     name = {"name": "name", "in": "path", "required": True,
             "description": "the served model's name (its classes) or <name>-embedding, else 404; a name ending "
                            "in :predict is KServe v1's path",
-            "schema": {"type": "string", "pattern": "^(?!.*:predict$)[^/]+$", "examples": _model_names(model)}}
+            "schema": {"type": "string", "pattern": "^(?!.*:predict$)[^/]+$", "examples": model_names.names(model)}}
     return {**_PARAMETERS, "ModelName": name}
 
 

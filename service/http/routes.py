@@ -12,9 +12,10 @@ from flask import Blueprint, Response, request
 from service import metrics
 from service.engine.types import ModelInfo
 from service.errors import RequestError, UnsupportedMediaType
-from service.http import current, dataplane
+from service.http import current, model_names
 from service.http.body import check_form
 from service.http.body import read as read_body
+from service.http.dataplane import DataPlane
 from service.http.protocols import openai
 from service.pipeline.inputs import check_part_names, parse_doc, parse_form
 from service.pipeline.json_body import load_json
@@ -30,12 +31,12 @@ bp = Blueprint("routes", __name__)
 @bp.post("/v1/embeddings")
 def embeddings() -> Response:
     """Native ``{"images"|"texts": [...]}`` or OpenAI ``{"model", "input"}``: one response shape for both."""
-    with current.busy() as p:
-        req, options = _parse_request(p, "embeddings", openai_too=True)
+    with current.busy() as plane:
+        req, options = _parse_request(plane, "embeddings", openai_too=True)
         media_type = current.streamed_format()
         if media_type and options is None:  # an OpenAI body gets OpenAI's JSON, whatever it accepts
-            return current.stream(p, req, "embeddings", media_type)
-        body = current.run(p, req, "embeddings")
+            return current.stream(req, "embeddings", media_type)
+        body = current.run(req, "embeddings")
     return current.json_response(openai.embeddings_body(body, req, options))
 
 
@@ -51,17 +52,17 @@ def rank() -> Response:
 
 
 def _infer(task: str) -> Response:
-    with current.busy() as p:
-        req, _ = _parse_request(p, task)
+    with current.busy() as plane:
+        req, _ = _parse_request(plane, task)
         media_type = current.streamed_format()
         if media_type:
-            return current.stream(p, req, task, media_type)
-        return current.json_response(current.run(p, req, task))
+            return current.stream(req, task, media_type)
+        return current.json_response(current.run(req, task))
 
 
-def _parse_request(p: dataplane.Parts, task: str, openai_too: bool = False
+def _parse_request(plane: DataPlane, task: str, openai_too: bool = False
                    ) -> tuple[InferenceRequest, openai.Options | None]:
-    settings = p.settings
+    settings = plane.settings
     mimetype = request.mimetype
     if mimetype == "multipart/form-data":
         check_form()
@@ -73,8 +74,7 @@ def _parse_request(p: dataplane.Parts, task: str, openai_too: bool = False
         fields = {k: v for k, v in request.form.to_dict().items() if k != "labels"}
         return parse_form(fields, files, settings, task, labels=request.form.getlist("labels")), None
     if mimetype in ("application/json", "") or mimetype.endswith("+json"):
-        return dataplane.parse_body(p, read_body(p), _parse_json, settings, task,
-                                  openai_too, p.runner.info, dataplane.model_name(p))
+        return plane.parse_body(read_body(), _parse_json, settings, task, openai_too, plane.info, plane.model_name)
     raise UnsupportedMediaType(f"Content-Type {mimetype!r} is not accepted; send application/json or "
                                "multipart/form-data")
 
@@ -94,19 +94,18 @@ def _parse_json(raw: bytes, settings: Settings, task: str, openai_too: bool, inf
 @bp.get("/v1/models")
 def models() -> Response:
     """Native (``data[0]`` is the model's description), OpenAI (``data[].id``) and KServe v1 (``models``)."""
-    runner = current.parts().runner
-    if runner.info is None:
+    info = current.plane().info
+    if info is None:
         return _json({"object": "list", "data": [], "models": [], "status": "loading"}, 503)
-    return _json(openai.models_body(runner.info))
+    return _json(openai.models_body(info))
 
 
 @bp.get("/v1/models/<name>")
 def model(name: str) -> Response:
     """OpenAI's model retrieve and KServe v1's model readiness (``ready``; 503 while loading)."""
-    p = current.parts()
-    dataplane.resolve_model(p, name)
-    info = p.runner.info
-    if info is None:
+    plane = current.plane()
+    model_names.resolve(plane.model_name, name)
+    if plane.info is None:
         return _json({"id": name, "name": name, "object": "model", "ready": False, "error": "model loading"}, 503)
     return _json({**openai.model_card(name), "name": name, "ready": True})
 
@@ -124,10 +123,10 @@ def healthz() -> Response:
 
 @bp.get("/readyz")
 def readyz() -> Response:
-    runner = current.parts().runner
-    if runner.info is not None:
-        return _json({"status": "ready", "pid": os.getpid(), "model": runner.info.name})
-    return _json({"status": "not_ready", "pid": os.getpid(), "reason": dataplane.not_ready_reason(runner)}, 503)
+    plane = current.plane()
+    if plane.info is not None:
+        return _json({"status": "ready", "pid": os.getpid(), "model": plane.info.name})
+    return _json({"status": "not_ready", "pid": os.getpid(), "reason": plane.not_ready_reason()}, 503)
 
 
 def _json(body: dict[str, Any], status: int = 200) -> Response:

@@ -30,9 +30,8 @@ import gevent.queue
 import orjson
 
 from service.errors import ClientGone, GreenserveError
-from service.http import dataplane
 from service.http.context import RequestContext
-from service.http.dataplane import Parts, Served
+from service.http.dataplane import DataPlane, Served
 from service.pipeline.requests import InferenceRequest
 
 log = logging.getLogger(__name__)
@@ -103,33 +102,33 @@ class Stream:
         return data + b"\n"
 
 
-def start(p: Parts, ctx: RequestContext, req: InferenceRequest, task: str, media_type: str) -> Stream:
+def start(plane: DataPlane, ctx: RequestContext, req: InferenceRequest, task: str, media_type: str) -> Stream:
     """Run ``req`` in its own greenlet; return once it holds its queue slots. What fails before that
     (not ready, overloaded, a refused image with ``partial`` false) raises here."""
-    lines = _Lines()  # ``dataplane.run`` checks the task first: a refusal ends the greenlet before admission
-    work = gevent.spawn(_run, p, ctx, req, task, lines)
+    lines = _Lines()  # ``DataPlane.run`` checks the task first: a refusal ends the greenlet before admission
+    work = gevent.spawn(_run, plane, ctx, req, task, lines)
     gevent.wait([lines.ready, work], count=1)
     if not lines.ready.is_set():  # it ended before admission: only by failing
         outcome, _ = work.get()
         assert isinstance(outcome, GreenserveError)
         raise outcome
-    return Stream(media_type, p.settings.stream_heartbeat_s, ctx.request_id, task == "rank",
-                  p.settings.cancel_on_disconnect, lines, work)
+    return Stream(media_type, plane.settings.stream_heartbeat_s, ctx.request_id, task == "rank",
+                  plane.settings.cancel_on_disconnect, lines, work)
 
 
-def _run(p: Parts, ctx: RequestContext, req: InferenceRequest, task: str,
+def _run(plane: DataPlane, ctx: RequestContext, req: InferenceRequest, task: str,
          lines: _Lines) -> tuple[dict[str, Any] | GreenserveError, Served]:
     """The request's greenlet: its answer, or its failure as a value (a greenlet's exception would only be
     printed by gevent); then the queue's end, whatever happens."""
     try:
-        with p.balance.inference():  # siblings see this worker busy until the stream's work is done
-            answer = dataplane.run(p, ctx, req, task, progress=lines)
+        with plane.busy():  # siblings see this worker busy until the stream's work is done
+            answer = plane.run(ctx, req, task, progress=lines)
         return answer.body, answer.served
     except GreenserveError as err:
-        return err, Served(dataplane.size(req), {})
+        return err, Served.sized(req)
     except Exception:  # a bug: logged with the request id, and the stream's last line says so
         log.exception("request_id=%s unhandled error in a streamed answer", ctx.request_id,
                       extra={"request_id": ctx.request_id, "code": "internal_error"})
-        return GreenserveError("internal error; report the request id"), Served(dataplane.size(req), {})
+        return GreenserveError("internal error; report the request id"), Served.sized(req)
     finally:
         lines.queue.put(_END)

@@ -23,7 +23,7 @@ from typing import Any
 from flask import Blueprint, Response
 
 from service.errors import RequestError
-from service.http import current, dataplane
+from service.http import current, model_names
 from service.http.body import read as read_body
 from service.http.protocols.surface import Surface, flat_error_body
 from service.pipeline import postprocess
@@ -49,14 +49,15 @@ def alive() -> Response:
 
 @bp.post("/v1/models/<name>:predict")
 def predict(name: str) -> Response:
-    with current.busy() as p:
-        task = dataplane.resolve_model(p, name)
-        req = dataplane.parse_body(p, read_body(p), parse_body, p.settings)
-        body = current.run(p, req, task)
+    with current.busy() as plane:
+        task = model_names.resolve(plane.model_name, name).task
+        req = plane.parse_body(read_body(), parse_request, plane.settings)
+        body = current.run(req, task)
     return current.json_response({"predictions": predictions(body, task)})
 
 
-def parse_body(raw: bytes, settings: Settings) -> InferenceRequest:
+def parse_request(raw: bytes, settings: Settings) -> InferenceRequest:
+    """The body as sent → the request (``parse``)."""
     return parse(load_json(raw, EXAMPLE), settings)
 
 

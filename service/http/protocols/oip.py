@@ -21,8 +21,9 @@ from flask import Blueprint, Response, request
 from service import metrics
 from service.engine.types import ModelInfo
 from service.errors import NotFound
-from service.http import current, dataplane
+from service.http import current, model_names
 from service.http.body import read as read_body
+from service.http.dataplane import DataPlane
 from service.http.protocols import oip_stats
 from service.http.protocols import oip_wire as wire
 from service.http.protocols.surface import Surface, flat_error_body
@@ -57,32 +58,32 @@ def live() -> Response:
 
 @bp.get("/v2/health/ready")
 def ready() -> Response:
-    runner = current.parts().runner
-    if runner.info is not None:
+    plane = current.plane()
+    if plane.info is not None:
         return current.json_response({"ready": True})
-    return current.json_response({"ready": False, "error": dataplane.not_ready_reason(runner)}, 503)
+    return current.json_response({"ready": False, "error": plane.not_ready_reason()}, 503)
 
 
 @bp.get("/v2/models")
 def models() -> Response:
     """KServe's list: the model names (readiness is /v2/models/<m>/ready)."""
-    return current.json_response({"models": [dataplane.model_name(current.parts())]})
+    return current.json_response({"models": [current.plane().model_name]})
 
 
 @bp.post("/v2/repository/index")
 def repository_index() -> Response:
     """Read-only: this server serves its one model; loading and unloading are not offered."""
-    p = current.parts()
-    return current.json_response([{"name": dataplane.model_name(p), "version": VERSION,
-                                   "state": "READY" if p.runner.info else "LOADING"}])
+    plane = current.plane()
+    return current.json_response([{"name": plane.model_name, "version": VERSION,
+                                   "state": "READY" if plane.info else "LOADING"}])
 
 
 @bp.get(_MODEL + "/ready")
 @bp.get(_VERSIONED + "/ready")
 def model_ready(name: str, version: str | None = None) -> Response:
-    p = current.parts()
-    _check_model(p, name, version)
-    ok = p.runner.info is not None
+    plane = current.plane()
+    _check_model(plane, name, version)
+    ok = plane.info is not None
     return current.json_response({"name": name, "ready": ok, **({} if ok else {"error": "model loading"})},
                                  200 if ok else 503)
 
@@ -90,9 +91,9 @@ def model_ready(name: str, version: str | None = None) -> Response:
 @bp.get(_MODEL)
 @bp.get(_VERSIONED)
 def model_metadata(name: str, version: str | None = None) -> Response:
-    p = current.parts()
-    _check_model(p, name, version)
-    info = dataplane.require_info(p)
+    plane = current.plane()
+    _check_model(plane, name, version)
+    info = plane.require_info()
     outputs = [{"name": n, "datatype": "FP32", "shape": [-1, dim]} for n, dim in _outputs(info)]
     return current.json_response({"name": name, "versions": [VERSION], "platform": _platform(info),
                                   "inputs": [{"name": wire.INPUT, "datatype": "BYTES", "shape": [-1, 1]}],
@@ -103,10 +104,10 @@ def model_metadata(name: str, version: str | None = None) -> Response:
 @bp.get(_VERSIONED + "/config")
 def model_config(name: str, version: str | None = None) -> Response:
     """The JSON form of Triton's ModelConfig, for clients that size their batches from it."""
-    p = current.parts()
-    _check_model(p, name, version)
-    info = dataplane.require_info(p)
-    s = p.settings
+    plane = current.plane()
+    _check_model(plane, name, version)
+    info = plane.require_info()
+    s = plane.settings
     outputs = [{"name": n, "data_type": "TYPE_FP32", "dims": [dim], "label_filename": ""} for n, dim in _outputs(info)]
     return current.json_response({
         "name": name, "platform": _platform(info), "backend": "greenserve", "max_batch_size": s.max_images,
@@ -122,21 +123,21 @@ def model_config(name: str, version: str | None = None) -> Response:
 @bp.get(_VERSIONED + "/stats")
 def statistics(name: str | None = None, version: str | None = None) -> Response:
     """Triton's inference statistics for the one model (``/v2/models/stats``: every model, so that one)."""
-    p = current.parts()
+    plane = current.plane()
     if name is not None:
-        _check_model(p, name, version)
-    entry = oip_stats.model_stats(metrics.samples(), name or dataplane.model_name(p), VERSION)
+        _check_model(plane, name, version)
+    entry = oip_stats.model_stats(metrics.samples(), name or plane.model_name, VERSION)
     return current.json_response({"model_stats": [entry]})
 
 
 @bp.post(_MODEL + "/infer")
 @bp.post(_VERSIONED + "/infer")
 def infer(name: str, version: str | None = None) -> Response:
-    with current.busy() as p:
-        _check_model(p, name, version)
-        info = dataplane.require_info(p)
-        call = _parse(p, [n for n, _ in _outputs(info)])
-        rows = current.run_rows(p, call.request, call.tasks, timeout_s=call.timeout_s)
+    with current.busy() as plane:
+        _check_model(plane, name, version)
+        info = plane.require_info()
+        call = _parse(plane, [n for n, _ in _outputs(info)])
+        rows = current.run_rows(call.request, call.tasks, timeout_s=call.timeout_s)
     outputs, chunks = wire.encode_outputs(call, rows.rows, rows.info.labels)
     doc = {"model_name": name, "model_version": VERSION, **({"id": call.id} if call.id is not None else {}),
            "parameters": {"request_id": current.context().request_id, "worker_pid": os.getpid()}, "outputs": outputs}
@@ -146,9 +147,9 @@ def infer(name: str, version: str | None = None) -> Response:
     return _compressed(head + b"".join(chunks), "application/octet-stream", {wire.HEADER: str(len(head))})
 
 
-def _parse(p: dataplane.Parts, available: list[str]) -> wire.InferCall:
-    body = read_body(p, bad_code="invalid_tensor")
-    return dataplane.parse_body(p, body, wire.parse_request, request.headers.get(wire.HEADER), p.settings, available)
+def _parse(plane: DataPlane, available: list[str]) -> wire.InferCall:
+    body = read_body(bad_code="invalid_tensor")
+    return plane.parse_body(body, wire.parse_request, request.headers.get(wire.HEADER), plane.settings, available)
 
 
 def _compressed(body: bytes, mimetype: str, headers: dict[str, str]) -> Response:
@@ -160,10 +161,8 @@ def _compressed(body: bytes, mimetype: str, headers: dict[str, str]) -> Response
     return Response(body, headers=headers, mimetype=mimetype)
 
 
-def _check_model(p: dataplane.Parts, name: str, version: str | None) -> None:
-    served = dataplane.model_name(p)
-    if name != served:
-        raise NotFound(f"Request for unknown model: {name!r}; this server serves {served!r}", code="model_not_found")
+def _check_model(plane: DataPlane, name: str, version: str | None) -> None:
+    model_names.resolve_plain(plane.model_name, name)
     if version not in (None, VERSION):
         raise NotFound(f"Request for unknown model version: {name!r} version {version!r}; the only version is "
                        f"{VERSION}", code="model_not_found")

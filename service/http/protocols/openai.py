@@ -23,7 +23,7 @@ import numpy as np
 
 from service.engine.types import ModelInfo
 from service.errors import RequestError
-from service.http.dataplane import EMBEDDING_SUFFIX, task_for_model
+from service.http import model_names
 from service.pipeline.inputs import base64_ref, check_count, is_reference, string_ref
 from service.pipeline.requests import ImageRef, InferenceRequest
 from service.pipeline.text_options import parse_text_options
@@ -53,7 +53,7 @@ def parse(doc: Mapping[str, Any], settings: Settings, info: ModelInfo | None,
         raise RequestError('send "input" (OpenAI) or "images"/"texts" (native), not both')
     if unknown:
         raise RequestError(f"unknown field(s) {', '.join(map(repr, unknown))}; allowed: {', '.join(FIELDS)}")
-    task_for_model(name, doc.get("model", name))  # either name embeds; anything else is 404
+    model_names.resolve(name, doc.get("model", name))  # either name embeds; anything else is 404
     encoding = doc.get("encoding_format", "float")
     if encoding not in ENCODINGS:
         raise RequestError(f"encoding_format must be one of {', '.join(ENCODINGS)}; got {encoding!r}")
@@ -164,13 +164,7 @@ def model_card(model_id: str) -> dict[str, Any]:
     return {"id": model_id, "object": "model", "created": CREATED, "owned_by": "greenserve"}
 
 
-def model_ids(info: ModelInfo) -> list[str]:
-    """The model's name (classes) and ``<name>-embedding``: KServe v1 and TorchServe select the task by name."""
-    return [info.name] + ([info.name + EMBEDDING_SUFFIX] if "embeddings" in info.tasks else [])
-
-
 def models_body(info: ModelInfo) -> dict[str, Any]:
     """Native (``data[0]`` describes the model), OpenAI (``data[].id``) and KServe v1 (``models``)."""
-    public = info.public()
-    return {"object": "list", "models": model_ids(info),
-            "data": [{**public, **model_card(model_id), "ready": True} for model_id in model_ids(info)]}
+    public, ids = info.public(), model_names.names(info.name, info.tasks)
+    return {"object": "list", "models": ids, "data": [{**public, **model_card(model_id), "ready": True} for model_id in ids]}

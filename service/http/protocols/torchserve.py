@@ -24,9 +24,10 @@ from typing import Any
 from flask import Blueprint, Response, request
 
 from service.errors import MethodNotAllowed, NotFound, RequestError, UnsupportedMediaType
-from service.http import current, dataplane
+from service.http import current, model_names
 from service.http.body import check_form
 from service.http.body import read as read_body
+from service.http.dataplane import DataPlane
 from service.http.protocols import openai
 from service.http.protocols.surface import Surface
 from service.pipeline import postprocess
@@ -69,7 +70,7 @@ SURFACE = Surface("torchserve", re.compile(r"^/(ping|predictions|models)(/|$)"),
 @bp.get("/ping")
 def ping() -> Response:
     """TorchServe's health check is model readiness: this worker's model is loaded."""
-    if current.parts().runner.info is not None:
+    if current.plane().info is not None:
         return current.json_response({"status": "Healthy"})
     return current.json_response({"status": "Unhealthy"}, 500)
 
@@ -77,19 +78,18 @@ def ping() -> Response:
 @bp.route("/predictions/<name>", methods=["POST", "PUT"])
 @bp.route("/predictions/<name>/<version>", methods=["POST", "PUT"])
 def predict(name: str, version: str | None = None) -> Response:
-    with current.busy() as p:
-        task = dataplane.resolve_model(p, name)
+    with current.busy() as plane:
+        task = model_names.resolve(plane.model_name, name).task
         _check_version(name, version)
-        req = parse_request(p)
-        body = current.run(p, req, task)
+        req = parse_request(plane.settings)
+        body = current.run(req, task)
     answers = [item["embedding"] if task == "embeddings" else postprocess.label_scores(item["labels"]) for item in body["data"]]
     return current.json_response(answers[0] if len(answers) == 1 else answers)
 
 
-def parse_request(p: dataplane.Parts) -> InferenceRequest:
+def parse_request(settings: Settings) -> InferenceRequest:
     """The images (multipart files, or the whole body as one) and the query's options."""
-    settings = p.settings
-    files = _uploads(settings) if request.mimetype == "multipart/form-data" else [(RAW_NAME, _raw_image(p))]
+    files = _uploads(settings) if request.mimetype == "multipart/form-data" else [(RAW_NAME, _raw_image())]
     check_count(len(files), settings)
     refs = tuple(bytes_ref(i, filename, data, settings) for i, (filename, data) in enumerate(files))
     return InferenceRequest(refs, **_query_options(settings))
@@ -109,9 +109,9 @@ def _uploads(settings: Settings) -> list[tuple[str, bytes]]:
     return files
 
 
-def _raw_image(p: dataplane.Parts) -> bytes:
+def _raw_image() -> bytes:
     """The body is the image, whatever its Content-Type says (TorchServe's ``body`` parameter)."""
-    raw = read_body(p)
+    raw = read_body()
     if not raw:
         raise RequestError("the request body is empty; send the image's bytes (curl -T kitten.jpg) or a form "
                            "with the file in the field 'data' (curl -F data=@kitten.jpg)")
@@ -141,10 +141,10 @@ def _check_version(name: str, version: str | None) -> None:
 def list_models() -> Response:
     """``{"models": [{"modelName", "modelUrl"}]}``: the classifier and ``<m>-embedding`` (only the first
     while the model loads, when what it provides is not known yet)."""
-    p = current.parts()
-    info = p.runner.info
-    names = openai.model_ids(info) if info else [dataplane.model_name(p)]
-    url = info.weights if info else p.settings.weights
+    plane = current.plane()
+    info = plane.info
+    names = model_names.names(info.name, info.tasks) if info else [plane.model_name]
+    url = info.weights if info else plane.settings.weights
     return current.json_response({"models": [{"modelName": n, "modelUrl": url} for n in names]})
 
 
@@ -152,29 +152,29 @@ def list_models() -> Response:
 @bp.get("/models/<name>/<version>")
 def describe_model(name: str, version: str | None = None) -> Response:
     """TorchServe's description (a list of one): this worker's view, as each worker answers for itself."""
-    p = current.parts()
-    dataplane.resolve_model(p, name)
+    plane = current.plane()
+    model_names.resolve(plane.model_name, name)
     _check_version(name, None if version == "all" else version)
-    return current.json_response([description(p, name)])
+    return current.json_response([description(plane, name)])
 
 
-def description(p: dataplane.Parts, name: str) -> dict[str, Any]:
+def description(plane: DataPlane, name: str) -> dict[str, Any]:
     """``pendingRequests`` counts images (greenserve admits and batches images, TorchServe requests)."""
-    s = p.settings
-    info = p.runner.info
-    admitted = p.runner.admitted()
+    s = plane.settings
+    info = plane.info
+    admitted = plane.runner.admitted()
     return {"modelName": name, "modelVersion": MODEL_VERSION, "modelUrl": info.weights if info else s.weights,
             "engine": "greenserve", "runtime": "python", "minWorkers": s.workers, "maxWorkers": s.workers,
             "batchSize": s.max_batch, "maxBatchDelay": s.max_batch_wait_ms, "responseTimeout": s.request_timeout_s,
-            "loadedAtStartup": True, "workers": [_worker(p)],
+            "loadedAtStartup": True, "workers": [_worker(plane)],
             "jobQueueStatus": {"remainingCapacity": max(0, s.max_queue_images - admitted),
                                "pendingRequests": admitted}}
 
 
-def _worker(p: dataplane.Parts) -> dict[str, Any]:
-    runner = p.runner
-    status = "READY" if runner.info else "FAILED" if runner.load_error else "STARTING"
-    device = runner.info.device if runner.info else p.settings.device
+def _worker(plane: DataPlane) -> dict[str, Any]:
+    info = plane.info
+    status = "READY" if info else "FAILED" if plane.runner.load_error else "STARTING"
+    device = info.device if info else plane.settings.device
     peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB: the peak, in bytes
     return {"id": str(os.getpid()), "startTime": STARTED, "status": status, "memoryUsage": peak_rss,
             "pid": os.getpid(), "gpu": device.startswith("cuda"), "gpuUsage": "N/A"}

@@ -154,7 +154,7 @@ def test_a_repeated_image_is_answered_from_the_cache_and_a_corrupt_entry_is_reco
     assert first.status_code == second.status_code == 200 and len(model.batches) == 1
     assert second.headers["Cache-Status"].startswith("greenserve; hit")
     assert first.json["data"] == second.json["data"]
-    app.extensions["greenserve"]["orchestrator"].cache.memory.clear()
+    app.extensions["greenserve"].orchestrator.cache.memory.clear()
     db = sqlite3.connect(str(tmp_path / "embeddings.sqlite3"))
     with db:
         db.execute("UPDATE entries SET value = substr(value, 1, 40) WHERE key LIKE 'e:%'")

@@ -180,7 +180,7 @@ def test_images_that_fail_on_the_way_are_not_waited_for(model: FakeModel, fetche
     r = client.post("/v1/embeddings", json=body)
     assert r.status_code == 200 and len(r.json["data"]) == 1
     assert time.monotonic() - t0 < 0.8, "the batch waited for images that had already failed"
-    runner = client.application.extensions["greenserve"]["runner"]
+    runner = client.application.extensions["greenserve"].runner
     view = runner.scheduling.view()
     assert (view.upstream, view.admitted) == (0, 0)
 

@@ -1,5 +1,5 @@
-"""The data plane every protocol shares, without Flask: the request's context and the app's parts are
-arguments, and the answer carries what the access line needs."""
+"""The data plane every protocol shares, without Flask: built from the worker's parts, it takes the request's
+context as an argument, and the answer carries what the access line needs."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ from harness.fakes import FakeFetcher, FakeModel
 from service.balance.gate import Balance, Policy
 from service.engine.runner import Runner
 from service.errors import DeadlineExceeded, RequestError
-from service.http import dataplane
 from service.http.context import RequestContext
+from service.http.dataplane import DataPlane
 from service.pipeline.inputs import parse_json
 from service.pipeline.orchestrate import Orchestrator
 from service.pipeline.text_encoder import TextEncoder
@@ -26,14 +26,14 @@ BASE = "http://img.test/"
 
 
 @pytest.fixture(scope="module")
-def parts() -> Iterator[dataplane.Parts]:
+def plane() -> Iterator[DataPlane]:
     settings = Settings(image_base_url=BASE, max_images=8)
     balance = Balance(None, Policy.from_settings(settings))
     runner = Runner(settings, model=FakeModel(), siblings=balance)
     fetcher = FakeFetcher({f"{BASE}a.jpg": images.jpeg(64, 48, seed=1), f"{BASE}b.jpg": images.jpeg(64, 48, seed=2)})
     orchestrator = Orchestrator(runner, fetcher, TextEncoder(runner, 16), max_pixels=settings.max_image_pixels)
     runner.start()
-    yield dataplane.Parts(settings, runner, orchestrator, balance)
+    yield DataPlane(settings, runner, orchestrator, balance)
 
 
 def context(**kw: object) -> RequestContext:
@@ -46,9 +46,9 @@ def test_the_data_plane_imports_no_flask() -> None:
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
 
 
-def test_run_answers_with_the_request_id_and_what_the_access_line_needs(parts: dataplane.Parts) -> None:
-    req = parse_json(b'{"images": ["a.jpg", "b.jpg", "missing.jpg"], "partial": true}', parts.settings)
-    answer = dataplane.run(parts, context(), req, "embeddings")
+def test_run_answers_with_the_request_id_and_what_the_access_line_needs(plane: DataPlane) -> None:
+    req = parse_json(b'{"images": ["a.jpg", "b.jpg", "missing.jpg"], "partial": true}', plane.settings)
+    answer = plane.run(context(), req, "embeddings")
     assert answer.body["request_id"] == "rid-1" and answer.body["model"] == "fake"
     assert [row["index"] for row in answer.body["data"]] == [0, 1]
     assert [e["code"] for e in answer.body["errors"]] == ["fetch_failed"]
@@ -56,9 +56,9 @@ def test_run_answers_with_the_request_id_and_what_the_access_line_needs(parts: d
     assert {"fetch", "decode", "total"} <= set(answer.served.timings_ms)
 
 
-def test_run_rows_gives_each_images_row_and_its_work(parts: dataplane.Parts) -> None:
-    req = parse_json(b'{"images": ["a.jpg"]}', parts.settings)
-    rows, served = dataplane.run_rows(parts, context(), req, ("embeddings", "classify"))
+def test_run_rows_gives_each_images_row_and_its_work(plane: DataPlane) -> None:
+    req = parse_json(b'{"images": ["a.jpg"]}', plane.settings)
+    rows, served = plane.run_rows(context(), req, ("embeddings", "classify"))
     assert served.images == 1 and served.timings_ms == rows.timings_ms
 
 
@@ -70,10 +70,10 @@ def test_the_deadline_is_the_contexts_start_plus_the_shortest_timeout() -> None:
             context(timeout_header=bad).deadline(30.0)
 
 
-def test_a_context_past_its_deadline_is_504_before_any_work(parts: dataplane.Parts) -> None:
-    req = parse_json(b'{"images": ["a.jpg"]}', parts.settings)
+def test_a_context_past_its_deadline_is_504_before_any_work(plane: DataPlane) -> None:
+    req = parse_json(b'{"images": ["a.jpg"]}', plane.settings)
     with pytest.raises(DeadlineExceeded):
-        dataplane.run(parts, context(started=time.monotonic() - 60, timeout_header="1"), req, "embeddings")
+        plane.run(context(started=time.monotonic() - 60, timeout_header="1"), req, "embeddings")
 
 
 def test_a_context_takes_a_sane_request_id_or_makes_one() -> None:

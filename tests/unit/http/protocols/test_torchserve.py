@@ -40,7 +40,7 @@ def test_ping_is_healthy_when_the_model_is_loaded(client: FlaskClient) -> None:
 
 
 def test_ping_is_500_unhealthy_while_loading(client: FlaskClient) -> None:
-    client.application.extensions["greenserve"]["runner"].model = None  # as before the model has loaded
+    client.application.extensions["greenserve"].runner.model = None  # as before the model has loaded
     r = client.get("/ping")
     assert r.status_code == 500 and r.json == {"status": "Unhealthy"}
 
