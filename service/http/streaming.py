@@ -1,5 +1,10 @@
 """Streamed answers: each image's line as soon as its row is ready, then a last line with the rest.
 
+The words: a *row* is the model's output for one image (the engine's word: a streamed answer's first row
+goes through the model alone, ``rules.first_row``); an *item* is that image's answer, as in the JSON
+answer's ``data``; a *line* is what the client reads, an item or the last line. The first row comes out as
+the first line.
+
     NDJSON (``Accept: application/x-ndjson``)   one JSON object per line
     SSE    (``Accept: text/event-stream``)      ``event: <kind>`` + ``data: <the same JSON>``; a comment line
                                                every GREENSERVE_STREAM_HEARTBEAT_S while nothing is ready
@@ -10,11 +15,11 @@ Lines, in completion order (each carries its ``index``):
     {"event": "done", "model", "errors", "timings_ms", "request_id"}    (rank: also "data", best first)
     {"event": "failed", "status", "error": {...}, "request_id"}         (the request failed after its start)
 
-The request runs in its own greenlet and tells a queue of each image's answer (``orchestrate.Progress``);
+The request runs in its own greenlet and puts each image's item on a queue (``orchestrate.Progress``);
 the response's iterator waits on that queue: event-driven, no polling. ``start`` returns once the request
 is admitted, so a 503, a 400 or a refusal at parsing is still an ordinary error answer. A client that
 leaves (the next write fails, or its socket closes) stops what is left, as for an answer not streamed.
-No Flask here: ``routes`` wraps the iterator in a response.
+No Flask here: ``current.stream`` wraps the iterator in a response.
 """
 
 from __future__ import annotations

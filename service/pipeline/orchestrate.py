@@ -54,12 +54,12 @@ class Rows:
 
 
 class Progress(Protocol):
-    """Told of a request's progress as it happens (a streamed answer, ``http/streaming.py``): called in the
-    request's greenlets, so it must not block."""
+    """Told of a request's progress as it happens (a streamed answer, ``service/http/streaming.py``): called
+    in the request's greenlets, so it must not block."""
 
     def admitted(self) -> None: ...  # the request holds its queue slots: no 503 can come any more
 
-    def item(self, item: dict[str, Any]) -> None: ...  # one image's (or text's) answer, or its error
+    def item(self, item: dict[str, Any]) -> None: ...  # one image's (or text's) item: its answer, or its error
 
 
 class _ImageFailed(Exception):
@@ -76,7 +76,7 @@ class _Work:
     outcomes: dict[int, Row | ImageError]
     deadline: float
     request: gevent.Greenlet  # the greenlet running the request: ``abort`` interrupts it where it waits
-    progress: Progress | None  # a streamed answer's; None: nobody listens, no line is built
+    progress: Progress | None  # a streamed answer's; None: nobody listens, no item is built
     task: str
     req: InferenceRequest
     recall: Recall | None  # the embedding cache's part in this request; None with GREENSERVE_CACHE=off
@@ -84,7 +84,7 @@ class _Work:
     aborted: bool = False
 
     def settle(self, ref: ImageRef, outcome: Row | ImageError) -> None:
-        """``ref``'s outcome, told to ``progress`` (if any) as its answer at once."""
+        """``ref``'s outcome, told to ``progress`` (if any) as its item at once."""
         self.outcomes[ref.index] = outcome
         if self.progress is not None:
             self.progress.item(answers.item(self.req, self.task, self.info, ref, outcome, self.prompts))
@@ -147,7 +147,7 @@ class Orchestrator:
             work = _Work(admission, info, spans, outcomes, deadline, gevent.getcurrent(), progress, task, req,
                          self._recall(info, tally))
             for ref in req.refs:
-                if ref.error is not None:  # refused at parsing (partial): its line goes first
+                if ref.error is not None:  # refused at parsing (partial): its item goes first
                     work.settle(ref, ref.error)
             try:
                 with _deadline_timeout(deadline, "images"):
@@ -176,7 +176,7 @@ class Orchestrator:
                 rows = self.texts.encode(texts, deadline=deadline, admission=admission, truncate=req.text.truncate)
         body = answers.texts(req, rows, spans)
         if progress is not None:
-            for item in body["data"]:  # one forward for them all: their lines come together
+            for item in body["data"]:  # one forward for them all: their items come together
                 progress.item(item)
         return body
 
