@@ -1,6 +1,6 @@
-"""The schemas of the native API's bodies, for ``service/openapi.py``.
+"""The schemas of the native API's bodies, for ``openapi.py``.
 
-Requests are built from the parsers' own field lists (``inputs.OPTION_FIELDS``, ``text_inputs.TASK_FIELDS``,
+Requests are built from the parsers' own field lists (``inputs.OPTION_FIELDS``, ``text_options.TASK_FIELDS``,
 ``openai.FIELDS``) and this server's limits (``GREENSERVE_MAX_IMAGES`` is ``maxItems``, ...): a field the
 parsers accept and this module has no schema for is a ``KeyError`` when the document is built, so none can
 go undocumented. Responses describe what the views and the orchestrator write; ``tests/unit/http/test_openapi.py``
