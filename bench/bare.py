@@ -42,8 +42,9 @@ def save_random_weights(model: str, path: Path, seed: int = 0) -> Path:
     """A seeded random state dict for ``model`` (no downloads here; torchvision or ``open_clip:ARCH``), saved
     once, convnets in channels_last.
 
-    Saved already converted, as DESIGN.md advises, so ``load_model``'s channels_last step is a no-op and
-    the mmapped weights stay shared. Every design loads this one file, so they serve the same model.
+    Saved already converted, as ``greenserve export`` does (docs/SIZING.md, Memory), so ``load_model``'s
+    channels_last step is a no-op and the mmapped weights stay shared. Every design loads this one file, so
+    they serve the same model.
     """
     if path.is_file():
         return path

@@ -1,6 +1,6 @@
 """Stage 2: bytes → an RGB Pillow image, safely and fast. Runs in the worker's decode thread pool.
 
-Safety (DESIGN §2): an allow-list of decoders, a pixel limit checked from the header before any pixel
+Safety: an allow-list of decoders, a pixel limit checked from the header before any pixel
 is decoded (Pillow's DecompressionBombWarning is made an error too), truncated files refused (``load()``
 catches what ``verify()`` misses), ``LOAD_TRUNCATED_IMAGES`` left off. Speed: JPEG draft mode lets libjpeg
 decode at 1/2, 1/4 or 1/8 scale when the model needs far fewer pixels than the photo has.
