@@ -84,6 +84,8 @@ gpu-wheels: $(STAMP)
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache
 
-# Regenerate the README's settings table from service/settings.py.
+# Regenerate the tables made from the settings (service/settings_docs.py): the README's, and docs/SIZING.md's Tuning one.
 readme: $(STAMP)
-	$(BIN)/python -c "import re,pathlib; from service.settings import settings_table as t; p=pathlib.Path('README.md'); s=p.read_text(); p.write_text(re.sub(r'(<!-- settings-table:.*?-->\n).*?(<!-- /settings-table -->)', lambda m: m.group(1)+t()+'\n'+m.group(2), s, flags=re.S))"
+	$(BIN)/python -c "import re,pathlib; from service.settings_docs import settings_table, tuning_table; \
+	[p.write_text(re.sub(r'(<!-- %s:.*?-->\n).*?(<!-- /%s -->)' % (m, m), lambda g: g.group(1)+t()+'\n'+g.group(2), p.read_text(), flags=re.S)) \
+	 for p, m, t in ((pathlib.Path('README.md'), 'settings-table', settings_table), (pathlib.Path('docs/SIZING.md'), 'tuning-table', tuning_table))]"

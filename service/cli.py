@@ -4,7 +4,7 @@
     greenserve download-weights open_clip:ARCH --pretrained TAG
                                         put an open_clip checkpoint into the local (Hugging Face) cache
     greenserve download-weights timm:NAME   timm's pretrained file, into the same cache
-    greenserve settings [--markdown]    every GREENSERVE_* setting with its default (the README table)
+    greenserve settings [--markdown]    every GREENSERVE_* setting with its default (the README's tables)
     greenserve models                   the models that can be served (torchvision, open_clip, timm)
     greenserve export MODEL --out F     a checkpoint already in the serving layout (shared by workers)
     greenserve cache stats|clear        the embedding cache GREENSERVE_CACHE names (disk or redis): its entries
@@ -19,7 +19,8 @@ import os
 import re
 import sys
 
-from service.settings import Settings, SettingsError, settings_table
+from service.settings import Settings, SettingsError
+from service.settings_docs import settings_table
 
 _HASH_RE = re.compile(r"-([a-f0-9]{6,})\.")
 

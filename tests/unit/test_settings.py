@@ -1,9 +1,13 @@
 from __future__ import annotations
 
+import dataclasses
+import re
+
 import pytest
 
 from service import settings as settings_mod
-from service.settings import Settings, SettingsError, settings_table
+from service.settings import SECTIONS, TUNING, Settings, SettingsError, env_name
+from service.settings_docs import fields_in, settings_table
 
 
 def test_defaults_bind_loopback_and_resnet50() -> None:
@@ -69,8 +73,32 @@ def test_base_origin_is_scheme_host_port() -> None:
     assert Settings(image_base_url="http://Cdn.Example.com:9000/album/").base_origin == "http://cdn.example.com:9000"
 
 
-def test_settings_table_lists_every_variable() -> None:
+def test_every_setting_has_a_known_section() -> None:
+    fields = dataclasses.fields(Settings)
+    assert {f.name: f.metadata["section"] for f in fields if f.metadata["section"] not in SECTIONS} == {}
+    assert sum(len(fields_in(section)) for section in SECTIONS) == len(fields)
+    assert all(fields_in(section) for section in SECTIONS), "a section with no setting"
+
+
+def test_an_unknown_section_fails_where_the_setting_is_declared() -> None:
+    with pytest.raises(ValueError, match="Networking"):
+        settings_mod._setting(1, "a doc", section="Networking")
+
+
+def test_settings_table_has_a_table_per_section_in_order_and_names_the_tuning_switches() -> None:
     table = settings_table()
-    for name in ("GREENSERVE_BIND", "GREENSERVE_MODEL", "GREENSERVE_WEIGHTS", "GREENSERVE_DEVICE",
-                 "GREENSERVE_MAX_IMAGE_PIXELS", "GREENSERVE_FETCH_ALLOW"):
-        assert f"`{name}`" in table
+    headings = re.findall(r"^### (\w+)$", table, re.M)
+    assert headings == list(SECTIONS)  # Tuning last
+    for section, body in zip(SECTIONS, re.split(r"^### \w+$", table, flags=re.M)[1:], strict=True):
+        rows = re.findall(r"^\| `(GREENSERVE_\w+)` \|", body, re.M)
+        if section == TUNING:  # no table of its own here: names, and the link to docs/SIZING.md's table
+            assert rows == [] and "docs/SIZING.md#tuning" in body
+            assert all(f"`{env_name(f.name)}`" in body for f in fields_in(TUNING))
+        else:
+            assert rows == [env_name(f.name) for f in fields_in(section)]
+
+
+def test_the_table_shows_a_default_made_by_a_factory() -> None:
+    table = settings_table()
+    assert "| `GREENSERVE_CALLER_FROM` | `token,header,address` |" in table
+    assert "| `GREENSERVE_FETCH_ALLOW` | (empty) |" in table
