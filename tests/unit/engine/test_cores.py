@@ -64,3 +64,11 @@ def test_a_worker_borrows_every_core_only_while_its_siblings_are_idle() -> None:
     assert pinned.forward_threads() == 1
     pinned.apply(model)
     assert model.threads == [2, 1]  # pinned: never changed
+
+
+def test_without_borrowing_a_worker_runs_on_its_share_while_its_siblings_idle() -> None:
+    plan = CorePlan(Settings(workers=2, borrow_idle_cores=False), 2, Siblings())
+    model = Model()
+    assert plan.forward_threads() == 1 and not plan.all_cores()
+    plan.apply(model)
+    assert model.threads == []  # torch keeps the share it started with
