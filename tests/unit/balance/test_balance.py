@@ -216,7 +216,17 @@ def test_a_worker_keeping_more_connections_than_a_sibling_sheds_one_after_its_re
     board.publish(sibling, 0, 0)  # ... a respawned sibling keeps none
     shed = [balance.request_started(c) for c in conns]
     assert shed == [True, True, True, False]  # down to 1 kept, one more than the sibling
-    assert not Balance(Seat(board, 0), Policy(rebalance=False)).request_started(conns[3])
+
+
+def test_without_rebalancing_a_worker_keeping_more_connections_than_a_sibling_sheds_none() -> None:
+    balance, board, sibling, _, _ = pair(Policy(rebalance=False))
+    conns = [Conn() for _ in range(4)]
+    for c in conns:
+        balance.accepted(c)
+        balance.request_started(c)
+        balance.request_done(c)
+    board.publish(sibling, 0, 0)  # a respawned sibling keeps none: 4 against 0
+    assert [balance.request_started(c) for c in conns] == [False] * 4
 
 
 def test_siblings_idle_is_the_engines_view_of_the_board() -> None:
