@@ -4,17 +4,21 @@ give hold up when images really decode, queue and run."""
 from __future__ import annotations
 
 import dataclasses
+import os
+import sys
 import threading
 from collections.abc import Sequence
 
 import gevent
 import numpy as np
+import pytest
 import torch
 from gevent.event import AsyncResult
+from torch import nn
 
 from harness.fakes import FakeModel
 from harness.polling import quiet, until
-from service.engine.runner import Runner
+from service.engine.runner import Runner, limits
 from service.engine.scheduling import Admission
 from service.engine.types import Tokens
 from service.settings import Settings
@@ -112,5 +116,51 @@ def test_texts_run_in_batches_of_their_own_on_the_one_inference_thread() -> None
         assert [r.batch_size for r in rows] == [2, 2] and model.batches == [1]  # the image's forward held no text
         assert np.array_equal(rows[1].features, ids[1].astype(np.float32))
         assert len(model.threads) == 1
+    finally:
+        runner.close(5)
+
+
+def test_the_switches_the_rules_read_reach_them_off_as_well_as_on() -> None:
+    """What ``across_requests`` and ``interject`` off decide is in test_rules' rows (test_members,
+    test_interjection, test_others_now); here the settings carry them there."""
+    on = limits(Settings(), decode_threads=2)
+    off = limits(Settings(batch_across_requests=False, preempt_forwards=False), decode_threads=2)
+    assert (on.across_requests, on.interject) == (True, True)
+    assert (off.across_requests, off.interject) == (False, False)
+
+
+@pytest.mark.parametrize(("preempt", "hooked"), [(True, True), (False, False)])
+def test_a_model_gets_preemption_points_only_while_forwards_are_preempted(preempt: bool, hooked: bool) -> None:
+    model = FakeModel()
+    module = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    model.module = module  # type: ignore[attr-defined]  # as ``LoadedModel.module``
+    runner = Runner(Settings(workers=1, preempt_forwards=preempt), loader=lambda: model, cores=1)
+    runner.start()
+    try:
+        until(lambda: runner.ready, what="the model loaded")
+        assert any(layer._forward_pre_hooks for layer in module) is hooked
+    finally:
+        runner.close(5)
+
+
+def _nice() -> int:
+    return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a nice value per thread is Linux")
+@pytest.mark.parametrize("compute_nice", [10, 0])
+def test_compute_nice_puts_decode_below_the_model_below_the_hub_and_0_leaves_them_alike(compute_nice: int) -> None:
+    hub = _nice()
+    model = FakeModel()
+    seen: list[int] = []
+    forward = model.forward
+    model.forward = lambda batch: (seen.append(_nice()), forward(batch))[1]  # type: ignore[method-assign]
+    runner = Runner(Settings(workers=1, compute_nice=compute_nice), model=model, cores=1)
+    runner.start()
+    try:
+        decode = runner.offload(_nice)
+        with runner.admit(1, coming=0) as admission:
+            runner.infer(PIXELS, None, admission).get(timeout=5)
+        assert (decode - hub, seen[0] - hub) == (min(19, hub + compute_nice) - hub, min(19, hub + compute_nice // 2) - hub)
     finally:
         runner.close(5)
