@@ -58,6 +58,14 @@ def test_the_label_cache_serves_repeats_without_a_forward_and_evicts_the_least_r
     assert runner.forwarded == [1, 2, 3, 2]
 
 
+def test_a_label_cache_of_0_keeps_nothing() -> None:
+    runner = _Runner()
+    enc = TextEncoder(runner, cache_size=0)
+    for _ in range(2):
+        enc.unit_vectors(["a"], deadline=1e9, admission=_Admission())
+    assert runner.forwarded == [1, 1] and enc.hits == 0
+
+
 def test_refusing_truncation_names_the_text() -> None:
     enc = TextEncoder(_Runner(), cache_size=0)
     with pytest.raises(RequestError) as err:
