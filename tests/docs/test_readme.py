@@ -1,7 +1,7 @@
 """The README is the front door: its settings tables (and docs/SIZING.md's Tuning table) must list every setting
-exactly as the code has it, its Python client example must work against a real server, its layout must name files
-that exist, and every relative link in it and in the documents it leads to (docs/, deploy/) must reach a file and a
-heading."""
+exactly as the code has it, its Python client example must work against a real server, its layout must name every
+module of service/ and only files that exist, and every relative link in it and in the documents it leads to
+(docs/, deploy/) must reach a file and a heading."""
 
 from __future__ import annotations
 
