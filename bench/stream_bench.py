@@ -45,8 +45,9 @@ from harness.load import Load, post_once
 from harness.stats import percentile
 
 OUT = ROOT / "bench" / "out"
+# the callers are told apart by their X-Client-ID: every client here comes from 127.0.0.1
 LIMITS = {"GREENSERVE_MAX_QUEUE_IMAGES": "512", "GREENSERVE_REQUEST_TIMEOUT_S": "300", "GREENSERVE_DTYPE": "float32",
-          "GREENSERVE_FETCH_TIMEOUT_S": "60"}
+          "GREENSERVE_FETCH_TIMEOUT_S": "60", "GREENSERVE_CALLER_FROM": "token,header,address"}
 CAP = 60
 PAIRS = 6  # streamed and plain albums per server and round, in both orders alike
 

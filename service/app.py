@@ -25,6 +25,7 @@ from service.engine.loading import import_family, load_for_worker
 from service.engine.runner import Model, Runner
 from service.http import current, hooks, openapi, protocols, routes, ui
 from service.http.connection import guard_body, werkzeug_limits
+from service.http.context import Identities
 from service.http.dataplane import DataPlane
 from service.pipeline import device_decode
 from service.pipeline.decode import configure_pillow
@@ -57,7 +58,8 @@ def create_app(settings: Settings | None = None, *, model: Model | None = None,
                                 on_image_error=lambda err: metrics.IMAGE_ERRORS.labels(err.code).inc(),
                                 cache=cache if cache is not None else tiers.from_settings(settings))
     app = Flask("greenserve")
-    app.extensions[current.EXTENSION] = DataPlane(settings, runner, orchestrator, balance)
+    who = Identities.of(settings.caller_from, settings.api_token, settings.trusted_proxies)
+    app.extensions[current.EXTENSION] = DataPlane(settings, runner, orchestrator, balance, who)
     for blueprint in (hooks.bp, routes.bp, *protocols.BLUEPRINTS, openapi.bp, ui.bp):
         app.register_blueprint(blueprint)
     app.config.update(werkzeug_limits(settings))

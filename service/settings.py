@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
-from service.settings_parse import SettingsError, check_allow_entry, parse, range_text
+from service.settings_parse import SettingsError, check_allow_entry, check_callers, parse, range_text
 
 __all__ = ["SECTIONS", "TUNING", "Settings", "SettingsError", "default_workers", "env_name"]
 
@@ -42,7 +42,7 @@ def _cpu_count() -> int:
         return os.cpu_count() or 1
 
 
-CALLER_SOURCES = ("token", "header", "address")
+CALLER_SOURCES = ("token", "address")  # what the server can check; a self-declared id only when listed
 ALL_CALLER_SOURCES = ("token", "header", "forwarded", "address")
 
 # What a setting is about, in the README's order. Tuning holds the switches that exist to turn a mechanism off
@@ -78,7 +78,8 @@ class Settings:
     graceful_timeout_s: int = _setting(30, "gunicorn graceful shutdown time for in-flight requests", section="Server", unit="s",
                                        parse="int", lo=1)
     api_token: str = _setting("", "bearer token required when set on every protocol's inference and metadata routes, never on "
-                              "health routes (empty = no auth)", section="Server")
+                              "health routes (empty = no auth); several, comma-separated: each is a caller of its own",
+                              section="Server")
 
     model: str = _setting("resnet50", "the model: a torchvision classifier (resnet50, torchvision:convnext_tiny) or an open_clip "
                           "architecture (open_clip:ViT-B-32, image and text towers) or a timm backbone (timm:convnext_tiny); see "
@@ -169,10 +170,14 @@ class Settings:
                                          "ready", section="Connections", unit="s", parse="float", lo=0.1, hi=300)
 
     caller_from: tuple[str, ...] = _setting(CALLER_SOURCES, "who a caller is, for fair sharing and GREENSERVE_MAX_CALLER_IMAGES: "
-                                            "the first of these the request has: token (its bearer token), header (X-Client-ID), "
-                                            "forwarded (X-Real-IP, then the first X-Forwarded-For address: only behind a proxy "
-                                            "that sets them), address (the peer's IP)", section="Sharing", parse="list",
+                                            "the first of token (one of GREENSERVE_API_TOKEN's), forwarded (X-Real-IP or the "
+                                            "last X-Forwarded-For address, from GREENSERVE_TRUSTED_PROXIES only), address (the "
+                                            "peer's IP) the request has; header: X-Client-ID, within that caller "
+                                            "(docs/SCHEDULING.md#share)", section="Sharing", parse="list",
                                             factory=lambda: CALLER_SOURCES)
+    trusted_proxies: tuple[str, ...] = _setting((), "comma-separated addresses or CIDRs of the proxies whose X-Real-IP / "
+                                                "X-Forwarded-For name the caller (the shipped nginx: 127.0.0.1)",
+                                                section="Sharing", parse="list")
     max_caller_images: int = _setting(0, "images one caller may have admitted (queued or running) per worker before 429 + "
                                       "Retry-After; 0 = no cap of its own (callers are still interleaved)", section="Sharing",
                                       parse="int", lo=0)
@@ -250,10 +255,7 @@ class Settings:
             if lo is not None and value < lo or hi is not None and value > hi:
                 raise SettingsError(f"{env_name(f.name)}={value!r} is out of range; allowed "
                                     f"{range_text(lo, hi)}")
-        unknown = sorted(set(self.caller_from) - set(ALL_CALLER_SOURCES))
-        if unknown or not self.caller_from:
-            raise SettingsError(f"GREENSERVE_CALLER_FROM={','.join(self.caller_from)!r}: use one or more of "
-                                f"{', '.join(ALL_CALLER_SOURCES)}")
+        check_callers(self.caller_from, ALL_CALLER_SOURCES, self.trusted_proxies)
         if not _DEVICE_RE.match(self.device):
             raise SettingsError(f"GREENSERVE_DEVICE={self.device!r} is not one of cpu, cuda, cuda:N, auto")
         if self.weights in ("", None):

@@ -51,3 +51,19 @@ def check_allow_entry(entry: str) -> None:
             pass
     raise SettingsError(f"GREENSERVE_FETCH_ALLOW entry {entry!r} is neither an origin like "
                         "http://10.0.0.5:9000 nor a CIDR like 10.0.0.0/8")
+
+
+def check_callers(sources: tuple[str, ...], known: tuple[str, ...], proxies: tuple[str, ...]) -> None:
+    """GREENSERVE_CALLER_FROM names known sources, and trusts forwarded addresses only from named proxies."""
+    unknown = sorted(set(sources) - set(known))
+    if unknown or not sources:
+        raise SettingsError(f"GREENSERVE_CALLER_FROM={','.join(sources)!r}: use one or more of {', '.join(known)}")
+    for entry in proxies:
+        try:
+            ipaddress.ip_network(entry, strict=False)
+        except ValueError:
+            raise SettingsError(f"GREENSERVE_TRUSTED_PROXIES entry {entry!r} is not an address or a CIDR like "
+                                "10.0.0.0/8") from None
+    if "forwarded" in sources and not proxies:
+        raise SettingsError("GREENSERVE_CALLER_FROM has forwarded, but GREENSERVE_TRUSTED_PROXIES is empty: name the "
+                            "proxies whose X-Real-IP to believe (behind the shipped nginx: 127.0.0.1)")

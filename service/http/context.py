@@ -4,6 +4,7 @@ engine take this value (or what it says) as an argument; nothing below the route
 from __future__ import annotations
 
 import hashlib
+import ipaddress
 import re
 import uuid
 from collections.abc import Mapping, Sequence
@@ -13,27 +14,57 @@ from typing import Any
 from service.errors import RequestError
 
 _REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
-_MAX_CLIENT_ID = 128
 
 
-def caller_of(headers: Mapping[str, str], remote_addr: str | None, sources: Sequence[str]) -> tuple[str, str]:
-    """(source, caller) from the first of ``sources`` the request has. A token is kept only as a digest."""
-    for source in sources:
-        if source == "token":
+def _digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:24]
+
+
+@dataclass(frozen=True)
+class Identities:
+    """Which identities the server believes (GREENSERVE_CALLER_FROM): a token it knows (GREENSERVE_API_TOKEN),
+    a proxy's word for the client's address (GREENSERVE_TRUSTED_PROXIES only), the peer's address; and, when
+    listed, a self-declared X-Client-ID inside the one of these the request has. A header anyone can send never
+    names a caller on its own: rotating it would buy shares, borrowing another's would take theirs."""
+
+    sources: tuple[str, ...] = ("token", "address")
+    tokens: frozenset[str] = frozenset()  # digests of the tokens the server knows
+    proxies: tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...] = ()
+
+    @classmethod
+    def of(cls, sources: Sequence[str], api_token: str = "", trusted_proxies: Sequence[str] = ()) -> Identities:
+        return cls(tuple(sources), frozenset(_digest(t.strip()) for t in api_token.split(",") if t.strip()),
+                   tuple(ipaddress.ip_network(p, strict=False) for p in trusted_proxies))
+
+    def proxied(self, remote_addr: str | None) -> bool:
+        try:
+            peer = ipaddress.ip_address(remote_addr or "")
+        except ValueError:
+            return False
+        return any(peer in net for net in self.proxies)
+
+
+def caller_of(headers: Mapping[str, str], remote_addr: str | None, who: Identities) -> tuple[str, str]:
+    """(source, caller): the first identity of ``who.sources`` the request has, with its X-Client-ID inside it
+    when ``header`` is listed. Tokens and ids are kept only as digests."""
+    source, caller = "none", ""
+    for name in who.sources:
+        if name == "token":
             scheme, _, token = headers.get("Authorization", "").strip().partition(" ")
-            if scheme.lower() == "bearer" and token.strip():
-                return source, "token:" + hashlib.sha256(token.strip().encode()).hexdigest()[:24]
-        elif source == "header":
-            client_id = headers.get("X-Client-ID", "").strip()[:_MAX_CLIENT_ID]
-            if client_id:
-                return source, "client:" + client_id
-        elif source == "forwarded":
-            ip = headers.get("X-Real-IP", "").strip() or headers.get("X-Forwarded-For", "").split(",")[0].strip()
+            if scheme.lower() == "bearer" and (digest := _digest(token.strip())) in who.tokens:
+                source, caller = name, "token:" + digest
+        elif name == "forwarded" and who.proxied(remote_addr):
+            ip = headers.get("X-Real-IP", "").strip() or headers.get("X-Forwarded-For", "").split(",")[-1].strip()
             if ip:
-                return source, "ip:" + ip[:_MAX_CLIENT_ID]
-        elif source == "address" and remote_addr:
-            return source, "ip:" + remote_addr
-    return "none", ""
+                source, caller = name, "ip:" + ip[:64]
+        elif name == "address" and remote_addr:
+            source, caller = name, "ip:" + remote_addr
+        if caller:
+            break
+    client_id = headers.get("X-Client-ID", "").strip()
+    if "header" in who.sources and client_id:
+        return "header", f"{caller}/client:{_digest(client_id)}"
+    return source, caller
 
 
 @dataclass(frozen=True)
@@ -48,10 +79,10 @@ class RequestContext:
 
     @classmethod
     def begin(cls, headers: Mapping[str, str], client: Any, now: float, *, remote_addr: str | None = None,
-              caller_from: Sequence[str] = ()) -> RequestContext:
+              who: Identities = Identities()) -> RequestContext:
         """From the request's headers (X-Request-ID, X-Request-Timeout, what tells its caller) and its socket."""
         rid = headers.get("X-Request-ID", "")
-        source, caller = caller_of(headers, remote_addr, caller_from)
+        source, caller = caller_of(headers, remote_addr, who)
         return cls(rid if _REQUEST_ID_RE.match(rid) else uuid.uuid4().hex, now, headers.get("X-Request-Timeout"),
                    client, caller, source, headers.get("Cache-Control", "").lower())
 

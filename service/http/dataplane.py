@@ -23,7 +23,7 @@ from service.engine.types import ModelInfo
 from service.errors import Overloaded, RequestError
 from service.http import model_names
 from service.http.connection import cancel_on_hang_up
-from service.http.context import RequestContext
+from service.http.context import Identities, RequestContext
 from service.pipeline.orchestrate import Orchestrator, Progress, Rows
 from service.pipeline.recall import CacheTally
 from service.pipeline.requests import InferenceRequest
@@ -61,6 +61,7 @@ class DataPlane:
     runner: Runner
     orchestrator: Orchestrator
     balance: Balance
+    identities: Identities = Identities()  # who a caller is (``context.caller_of``)
 
     @property
     def info(self) -> ModelInfo | None:

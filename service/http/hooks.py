@@ -32,15 +32,16 @@ _CONTEXT_HEADERS = ("X-Request-ID", "X-Request-Timeout", "Authorization", "X-Cli
 
 @bp.before_app_request
 def _start() -> None:
-    settings = current.plane().settings
+    plane = current.plane()
     headers = {k: request.headers[k] for k in _CONTEXT_HEADERS if k in request.headers}
     g.context = RequestContext.begin(headers, request.environ.get("gunicorn.socket"), time.monotonic(),
-                                     remote_addr=request.remote_addr, caller_from=settings.caller_from)
-    if settings.api_token and protocols.needs_token(request.path):
+                                     remote_addr=request.remote_addr, who=plane.identities)
+    tokens = [t.strip().encode() for t in plane.settings.api_token.split(",") if t.strip()]
+    if tokens and protocols.needs_token(request.path):
         scheme, _, supplied = request.headers.get("Authorization", "").strip().partition(" ")
         # the scheme is case-insensitive (RFC 9110); a bare token with no scheme is not a bearer token
-        if scheme.lower() != "bearer" or not hmac.compare_digest(supplied.strip().encode(),
-                                                                 settings.api_token.encode()):
+        given = supplied.strip().encode()
+        if scheme.lower() != "bearer" or not any([hmac.compare_digest(given, token) for token in tokens]):
             raise Unauthorized("missing or wrong bearer token; send Authorization: Bearer <GREENSERVE_API_TOKEN>")
 
 

@@ -17,11 +17,12 @@ from harness.servers import e2e_env
 
 pytestmark = pytest.mark.e2e
 TIMEOUT = 60
+IDS = "header,address"  # every client here comes from 127.0.0.1: their X-Client-IDs tell them apart
 
 
 def test_a_caller_over_its_share_is_429_and_others_and_later_it_are_served(weights_file: Path,
                                                                           image_host: ImageHost) -> None:
-    env = e2e_env(weights_file, image_host, GREENSERVE_MAX_CALLER_IMAGES="4")
+    env = e2e_env(weights_file, image_host, GREENSERVE_MAX_CALLER_IMAGES="4", GREENSERVE_CALLER_FROM=IDS)
     backfill, search = {"X-Client-ID": "backfill"}, {"X-Client-ID": "search"}
     with GunicornServer(env, workers=1) as srv:
         pid = srv.worker_pids()
@@ -55,7 +56,7 @@ def test_a_one_photo_caller_runs_inside_an_albums_forward_and_the_album_is_unhar
     # one torch thread: the album runs as forwards of a few images while it decodes (no gathering), one
     # after another, and the one-photo calls land in them many times (a gathered forward is one chance)
     env = e2e_env(weights_file, image_host, GREENSERVE_MAX_IMAGES="32", GREENSERVE_LOG_LEVEL="debug",
-                  GREENSERVE_TORCH_THREADS="1")
+                  GREENSERVE_TORCH_THREADS="1", GREENSERVE_CALLER_FROM=IDS)
     album = {"images": [f"img{i % 8:03d}.jpg?n={i}" for i in range(32)]}
     with GunicornServer(env, workers=1, cache="off") as srv:  # every image to the model, each time
         alone = requests.post(srv.url + "/v1/embeddings", json=album, timeout=TIMEOUT)

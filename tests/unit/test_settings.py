@@ -100,5 +100,5 @@ def test_settings_table_has_a_table_per_section_in_order_and_names_the_tuning_sw
 
 def test_the_table_shows_a_default_made_by_a_factory() -> None:
     table = settings_table()
-    assert "| `GREENSERVE_CALLER_FROM` | `token,header,address` |" in table
+    assert "| `GREENSERVE_CALLER_FROM` | `token,address` |" in table
     assert "| `GREENSERVE_FETCH_ALLOW` | (empty) |" in table
