@@ -47,6 +47,8 @@ OVER_SHARE = Counter("greenserve_over_share_total", "Requests refused because th
                      "worker's queue (429)")
 CALLER_REQUESTS = Counter("greenserve_caller_requests_total", "Requests by how their caller was told apart (the "
                           "caller class: token, header, forwarded, address), never by caller", ["source"])
+CALLERS_TRACKED = Gauge("greenserve_callers_tracked", "Callers a worker keeps anything of (admitted work, or among the "
+                        "last few admitted): bounded whatever the number of callers", multiprocess_mode="livesum")
 INTERJECTED = Counter("greenserve_interjected_images_total", "Images of one caller run between the blocks of a "
                       "forward of another's, instead of after it")
 LAST_FORWARD = Gauge("greenserve_last_forward_timestamp_seconds", "When a worker last ran an image batch (Unix "

@@ -96,6 +96,7 @@ class Scheduler:
         self._upstream += coming
         self._requests[admission.key] = admission
         metrics.QUEUE_IMAGES.inc(n_images)
+        metrics.CALLERS_TRACKED.set(self._callers.tracked())
         try:
             yield admission
         except BaseException:
@@ -110,6 +111,7 @@ class Scheduler:
             self.settle(admission.upstream)  # images that never came (killed on the way)
             admission.upstream = 0
             metrics.QUEUE_IMAGES.dec(n_images)
+            metrics.CALLERS_TRACKED.set(self._callers.tracked())
 
     def _refuse(self, verdict: Verdict, caller: str) -> None:
         """The error for a refusal, with when to retry (the images ahead × the measured time per image)."""
