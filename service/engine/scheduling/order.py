@@ -7,6 +7,7 @@ import contextlib
 import heapq
 import itertools
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,6 +37,8 @@ class FairQueue:
     def __init__(self) -> None:
         self._heap: list[tuple[Waiting, Queued]] = []
         self._order = itertools.count()
+        self._snapshot: tuple[Waiting, ...] | None = ()  # ``waiting()``, kept until the queue changes
+        self.by_caller: Counter[str] = Counter()  # queued images per caller
         self.arrived = Event()  # set when an image comes, or when a waiting collector should look again
         self.last_arrival = 0.0
 
@@ -47,18 +50,25 @@ class FairQueue:
         waiting = Waiting(admission.next_tag(), next(self._order), admission.key, admission.caller)
         item = Queued(pixels, deadline, admission, waiting)
         heapq.heappush(self._heap, (waiting, item))
+        self._changed(waiting.caller, 1)
         self.last_arrival = item.enqueued
         self.arrived.set()
         return item
 
     def waiting(self) -> tuple[Waiting, ...]:
         """What is queued, in no order (a ``rules.WorkerView``'s queue)."""
-        return tuple(entry[0] for entry in self._heap)
+        if self._snapshot is None:
+            self._snapshot = tuple(entry[0] for entry in self._heap)
+        return self._snapshot
 
     def pop(self, request: int | None = None) -> Queued | None:
         """The lowest-tagged image, or (``request`` given) that request's lowest."""
         if request is None:
-            return heapq.heappop(self._heap)[1] if self._heap else None
+            if not self._heap:
+                return None
+            item = heapq.heappop(self._heap)[1]
+            self._changed(item.waiting.caller, -1)
+            return item
         mine = [entry for entry in self._heap if entry[0].request == request]
         if not mine:
             return None
@@ -76,6 +86,7 @@ class FairQueue:
     def requeue(self, items: Iterable[Queued]) -> None:
         for item in items:
             heapq.heappush(self._heap, (item.waiting, item))
+            self._changed(item.waiting.caller, 1)
 
     def drop(self, admission: Admission) -> int:
         """Drop ``admission``'s images; how many were dropped."""
@@ -84,7 +95,7 @@ class FairQueue:
         return before - len(self._heap)
 
     def by(self, caller: str) -> int:
-        return sum(1 for entry in self._heap if entry[0].caller == caller)
+        return self.by_caller[caller]
 
     def wake(self) -> None:
         """Make a collector waiting for images look again."""
@@ -95,6 +106,14 @@ class FairQueue:
         if len(kept) != len(self._heap):
             heapq.heapify(kept)
             self._heap = kept
+            self._snapshot = None
+            self.by_caller = Counter(entry[0].caller for entry in kept)
+
+    def _changed(self, caller: str, n: int) -> None:
+        self._snapshot = None
+        self.by_caller[caller] += n
+        if not self.by_caller[caller]:
+            del self.by_caller[caller]
 
 
 def still_due(batch: Sequence[Queued]) -> list[Queued]:

@@ -65,11 +65,10 @@ class Scheduler:
 
     def view(self) -> WorkerView:
         """The worker now, as the rules read it."""
-        queue = self.images.waiting()
-        callers: dict[str, CallerView] = {}
-        for caller in {*self._callers.admitted, *self._decoding_by, *(w.caller for w in queue)}:
-            callers[caller] = CallerView(self._callers.admitted.get(caller, 0), self._decoding_by.get(caller, 0),
-                                         sum(1 for w in queue if w.caller == caller))
+        queue, queued = self.images.waiting(), self.images.by_caller
+        callers = {caller: CallerView(self._callers.admitted.get(caller, 0), self._decoding_by.get(caller, 0),
+                                      queued.get(caller, 0))
+                   for caller in {*self._callers.admitted, *self._decoding_by, *queued}}
         return WorkerView(
             now=time.monotonic(), limits=self.limits, admitted=self._admitted, upstream=self._upstream,
             requests={k: a.view() for k, a in self._requests.items()}, callers=callers,
