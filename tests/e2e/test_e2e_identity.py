@@ -21,7 +21,7 @@ from harness.servers import e2e_env
 
 pytestmark = pytest.mark.e2e
 TIMEOUT = 60
-SLOW = {"images": [f"img00{i}.jpg?delay=2&n={i}" for i in range(4)]}  # a share, in flight for 2 s
+SLOW = {"images": [f"img00{i}.jpg?delay=1.5&n={i}" for i in range(4)]}  # a share, in flight for 1.5 s
 ONE = {"images": ["img001.jpg"]}
 
 
@@ -62,22 +62,22 @@ def test_by_default_rotating_ids_and_made_up_tokens_buy_no_share_and_a_borrowed_
     assert borrowed == 200 and after == 200
 
 
-def test_ids_split_a_token_only_when_trusted_and_never_reach_another_address(weights_file: Path,
-                                                                           image_host: ImageHost) -> None:
-    """Two clients of one token with their own ids are two callers; the victim's id sent from another address
-    is another caller; two ids with the same first 128 characters are two callers."""
-    one, other = session_from("127.0.0.2"), session_from("127.0.0.3")
-    token = {"Authorization": "Bearer team-token"}
+def test_ids_split_a_token_only_when_trusted_and_never_reach_another_token(weights_file: Path,
+                                                                         image_host: ImageHost) -> None:
+    """Two clients of one token with their own ids are two callers; the victim's id sent with another token is
+    another caller; two ids with the same first 128 characters are two callers."""
+    session = session_from("127.0.0.3")
+    team_a, team_b = {"Authorization": "Bearer team-a"}, {"Authorization": "Bearer team-b"}
     long_id = "x" * 128
     with server(weights_file, image_host, GREENSERVE_CALLER_FROM="token,header,address",
-                GREENSERVE_API_TOKEN="team-token") as srv:
-        with holding("127.0.0.2", srv.url, {**token, "X-Client-ID": "backfill"}):
-            same_token_other_client = post(one, srv.url, {**token, "X-Client-ID": "search"})
-            same_client = post(one, srv.url, {**token, "X-Client-ID": "backfill"})
-        with holding("127.0.0.2", srv.url, {"X-Client-ID": "victim"}):  # no token: the id lives inside 127.0.0.2
-            borrowed = post(other, srv.url, {"X-Client-ID": "victim"})
-        with holding("127.0.0.2", srv.url, {**token, "X-Client-ID": long_id + "a"}):
-            prefix = post(one, srv.url, {**token, "X-Client-ID": long_id + "b"})
+                GREENSERVE_API_TOKEN="team-a,team-b") as srv:
+        with holding("127.0.0.2", srv.url, {**team_a, "X-Client-ID": "backfill"}):
+            same_token_other_client = post(session, srv.url, {**team_a, "X-Client-ID": "search"})
+            same_client = post(session, srv.url, {**team_a, "X-Client-ID": "backfill"})  # from another address too
+        with holding("127.0.0.2", srv.url, {**team_b, "X-Client-ID": "victim"}):
+            borrowed = post(session, srv.url, {**team_a, "X-Client-ID": "victim"})
+        with holding("127.0.0.2", srv.url, {**team_a, "X-Client-ID": long_id + "a"}):
+            prefix = post(session, srv.url, {**team_a, "X-Client-ID": long_id + "b"})
     assert (same_token_other_client, same_client, borrowed, prefix) == (200, 429, 200, 200)
 
 
