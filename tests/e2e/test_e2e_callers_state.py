@@ -51,7 +51,7 @@ def callers(port: int, first: int, n: int) -> list[int]:
 
 
 def test_a_hundred_thousand_callers_leave_the_workers_state_bounded(weights_file: Path, image_host: ImageHost) -> None:
-    env = e2e_env(weights_file, image_host, GREENSERVE_CALLER_FROM="header,address", GREENSERVE_LOG_LEVEL="warning",
+    env = e2e_env(weights_file, image_host, GREENSERVE_CALLER_FROM="header,address",
                   GREENSERVE_CACHE="memory")  # the photo's row from the worker's memory: no forward, no disk
     with GunicornServer(env, workers=1) as srv:
         (pid,) = srv.worker_pids()
