@@ -4,7 +4,6 @@ precision only when it agrees with float32, on real torch modules (one whose bfl
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -148,8 +147,9 @@ def test_workers_starting_together_take_turns_and_the_second_reads_the_first_tri
             precision.settle(models[i], "auto", flags=ZEN4, timer=timers[i], memo=memo))) for i in range(2)]
         for w in workers:
             w.start()
-        time.sleep(0.2)
-        assert not chosen  # both wait
+        for w in workers:
+            w.join(0.1)  # they must not finish while the turn is held
+        assert not chosen and all(w.is_alive() for w in workers)  # both wait
     for w in workers:
         w.join(30)
     assert len(chosen) == 2 and chosen[0].chosen == chosen[1].chosen

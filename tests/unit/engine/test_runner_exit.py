@@ -7,10 +7,10 @@ from __future__ import annotations
 import threading
 import time
 
-import gevent
 import numpy as np
 
 from harness.fakes import FakeModel
+from harness.polling import quiet, until
 from service.engine.runner import Runner
 from service.settings import Settings
 
@@ -31,20 +31,21 @@ def test_a_load_not_begun_never_starts() -> None:
     runner = Runner(Settings(), loader=lambda: loads.append(1) or FakeModel())  # type: ignore[func-returns-value]
     runner.start()  # the load greenlet is spawned, not yet run: the exit comes first (a SIGTERM at boot)
     assert runner.close(2.0)
-    gevent.sleep(0.1)
+    quiet()  # the killed load greenlet would have run by now
     assert loads == [] and runner._infer_pool.size == 0
 
 
 def test_a_load_in_progress_is_waited_for_then_reported_busy() -> None:
-    release = threading.Event()
+    release, loading = threading.Event(), threading.Event()
 
     def slow_load() -> FakeModel:
+        loading.set()
         release.wait(10)
         return FakeModel()
 
     runner = Runner(Settings(), loader=slow_load)
     runner.start()
-    gevent.sleep(0.1)  # the load is in its thread now
+    until(loading.is_set, what="the load is in its thread")
     started = time.monotonic()
     assert not runner.close(0.3)  # still in the model's code: the worker must not finalize
     assert 0.25 < time.monotonic() - started < 2.0
