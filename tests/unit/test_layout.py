@@ -98,3 +98,12 @@ def test_the_import_graph_has_no_cycle() -> None:
     for module in sorted(graph):
         if module not in state:
             visit(module)
+
+
+def test_the_engines_unit_tests_never_sleep_to_let_something_happen() -> None:
+    """They decide by a view in and a decision out, or wait on an event or a polled condition
+    (``harness.polling``): a test that sleeps and hopes is slow on a quiet host and flaky on a busy one."""
+    engine_tests = SERVICE.parent / "tests" / "unit" / "engine"
+    sleeping = [f"{p.relative_to(engine_tests)}:{n}" for p in sorted(engine_tests.rglob("*.py"))
+                for n, line in enumerate(p.read_text().splitlines(), 1) if "sleep(" in line]
+    assert sleeping == []
