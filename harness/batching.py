@@ -31,7 +31,8 @@ def batcher(run_batch: RunBatch, on: Scheduler | None = None, *, preemption: Pre
             start: bool = True, **overrides: Any) -> tuple[Batcher, Scheduler]:
     """An image batcher on ``on`` (else a new scheduler with these limits), started unless told not to."""
     sched = on or scheduler(preemptible=preemption is not None, **overrides)
-    b = Batcher(run_batch, ThreadPool(1), sched.images, sched.image_rules(), preemption=preemption)
+    b = Batcher(lambda _model, batch: run_batch(batch), ThreadPool(1), sched.images, sched.image_rules(),
+                preemption=preemption)
     if start:
         b.start()
     return b, sched

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 
@@ -21,8 +22,10 @@ from service import logs, metrics
 from service.balance.gate import Balance, Policy
 from service.cache import tiers
 from service.cache.tiers import EmbeddingCache
+from service.engine.catalog import model_set
+from service.engine.engine import Model
 from service.engine.loading import import_family, load_for_worker
-from service.engine.runner import Model, Runner
+from service.engine.runner import Runner
 from service.http import current, hooks, openapi, protocols, routes, ui
 from service.http.connection import guard_body, werkzeug_limits
 from service.http.context import Identities
@@ -47,11 +50,15 @@ def create_app(settings: Settings | None = None, *, model: Model | None = None,
     logs.configure(settings.log_level, settings.log_format)
     configure_pillow(settings.max_image_pixels)
     balance = balance or Balance(None, Policy.from_settings(settings))
-    if model is None:
-        import_family(settings.model)  # in this thread, not the loader's (``import_family`` says why)
-    runner = Runner(settings, model=model, siblings=balance,
-                    loader=None if model else functools.partial(load_for_worker, settings, balance.slot, device_decode,
-                                                                  balance.memo))
+    if model is not None:
+        runner = Runner(settings, model=model, siblings=balance)
+    else:
+        loaders = {}
+        for spec in model_set(settings):
+            import_family(spec.model)  # in this thread, not the loader's (``import_family`` says why)
+            own = dataclasses.replace(settings, model=spec.model, weights=spec.weights, models="")
+            loaders[spec.name] = functools.partial(load_for_worker, own, balance.slot, device_decode, balance.memo)
+        runner = Runner(settings, siblings=balance, loaders=loaders)
     texts = TextEncoder(runner, settings.label_cache_size)
     fetcher = fetcher or HttpFetcher(settings, pace=runner.scheduling.urgency)  # reads wait while urgent work runs
     orchestrator = Orchestrator(runner, fetcher, texts, max_pixels=settings.max_image_pixels,

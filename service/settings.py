@@ -86,6 +86,8 @@ class Settings:
                           "the README's model families", section="Model")
     weights: str = _setting("auto", "auto | imagenet | random | a file (state dict, TorchScript, open_clip checkpoint) | an "
                             "open_clip pretrained tag in the local cache (laion2b_s34b_b79k)", section="Model")
+    models: str = _setting("", "several models: name=model[@weights], comma-separated, the default first (replaces "
+                           "GREENSERVE_MODEL; each weights default GREENSERVE_WEIGHTS)", section="Model")
     device: str = _setting("auto", "cpu | cuda | cuda:N | auto (cuda when present, workers spread over GPUs)", section="Model")
     dtype: str = _setting("auto", "auto | float32 | bfloat16 | float16: the forward's dtype. auto: each tower tries bfloat16 on "
                           "a CPU with AMX or avx512_bf16 or a GPU of compute capability 8+ (float16 on 7.x), with its weights "

@@ -12,6 +12,7 @@ passed, are dropped before they reach the model (``order.still_due``).
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import time
 from typing import Any
@@ -20,7 +21,7 @@ import gevent
 from gevent.event import AsyncResult
 from gevent.threadpool import ThreadPool
 
-from service.engine.forwarding import BatchStats, Outcome, RunBatch, forward_stacked
+from service.engine.forwarding import BatchStats, Outcome, RunBatch, RunModel, forward_stacked
 from service.engine.preemption import Preemption
 from service.engine.scheduling.admission import Admission
 from service.engine.scheduling.order import FairQueue, Queued, still_due
@@ -33,9 +34,9 @@ log = logging.getLogger(__name__)
 
 
 class Batcher:
-    def __init__(self, run_batch: RunBatch, pool: ThreadPool, queue: FairQueue, rules: BatchRules, *,
+    def __init__(self, run_model: RunModel, pool: ThreadPool, queue: FairQueue, rules: BatchRules, *,
                  preemption: Preemption | None = None, stats: BatchStats | None = None) -> None:
-        self._run_batch = run_batch
+        self._run_model = run_model
         self._pool = pool
         self._queue = queue
         self._rules = rules
@@ -83,7 +84,7 @@ class Batcher:
                 continue
             if plan.closed:
                 break
-            if (item := self._queue.pop(plan.own)) is not None:
+            if (item := self._queue.pop(plan.own, plan.model)) is not None:
                 batch += self._took([item])
                 continue
             remaining = plan.wait_until - time.monotonic()
@@ -105,6 +106,7 @@ class Batcher:
         """One forward, interruptible at the model's points when there are any."""
         started = time.monotonic()
         pixels = [it.pixels for it in batch]
+        forward = self._forward_for(batch)
         interjected = 0.0
         self._running = Forming(started, tuple(item.waiting for item in batch))
         self._interject_left = len(batch)
@@ -113,10 +115,9 @@ class Batcher:
             with self._urgent(urgent):
                 if self._preemption is not None:
                     self._preemption.expect()
-                    outcome, interjected = self._pool.apply(self._preemption.run,
-                                                            (forward_stacked, self._run_batch, pixels))
+                    outcome, interjected = self._pool.apply(self._preemption.run, (forward_stacked, forward, pixels))
                 else:
-                    outcome = self._pool.apply(forward_stacked, (self._run_batch, pixels))
+                    outcome = self._pool.apply(forward_stacked, (forward, pixels))
         finally:
             self._running = None
         self._deliver(batch, outcome, started, time.monotonic() - started - interjected)
@@ -137,6 +138,10 @@ class Batcher:
                 item.result.set_exception(row)
             else:
                 item.result.set(Row(row[0], row[1], started - item.enqueued, seconds, len(batch)))
+
+    def _forward_for(self, batch: list[Queued]) -> RunBatch:
+        """The forward of the batch's model (a batch holds one model's images)."""
+        return functools.partial(self._run_model, batch[0].waiting.model)
 
     def _urgent(self, urgent: bool) -> contextlib.AbstractContextManager[None]:
         return self._rules.urgent() if urgent else contextlib.nullcontext()
@@ -160,7 +165,7 @@ class Batcher:
                 live = still_due(self._queue.take(run.members))
                 if not live:
                     continue
-                job = self._preemption.offer(forward_stacked, self._run_batch, [it.pixels for it in live])
+                job = self._preemption.offer(forward_stacked, self._forward_for(live), [it.pixels for it in live])
                 if job is None:  # the forward ended meanwhile: they lead the next batch
                     self._queue.requeue(live)
                     return

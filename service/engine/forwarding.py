@@ -18,6 +18,7 @@ log = logging.getLogger(__name__)
 # Forward function: a stacked batch (uint8 (N, H, W, 3) crops, or (N, context) token ids) → (features or
 # None, logits or None) with row i for item i, or ``BatchOutputs`` when some items got no row.
 RunBatch = Callable[[Any], "tuple[Any, Any] | BatchOutputs"]
+RunModel = Callable[[str, Any], "tuple[Any, Any] | BatchOutputs"]  # the same, for the model it names
 
 
 # One item's outcome from the inference thread: its (features row, logits row), or why it has none

@@ -18,18 +18,21 @@ import contextlib
 import logging
 import os
 import threading
-from collections.abc import Callable, Iterator, Sequence
-from typing import Any, Protocol, TypeVar, cast
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import replace
+from typing import Any, TypeVar, cast
 
 import gevent
 import numpy as np
-from gevent.event import AsyncResult, Event
+from gevent.event import AsyncResult
 from gevent.threadpool import ThreadPool
 from torch import nn
 
 from service import metrics
 from service.engine.batcher import Batcher
+from service.engine.catalog import model_set
 from service.engine.cores import CorePlan, Siblings, lower_priority
+from service.engine.engine import Engine, Model
 from service.engine.forwarding import BatchStats
 from service.engine.preemption import Preemption
 from service.engine.scheduling import Admission, Limits, Scheduler, Signals
@@ -39,30 +42,6 @@ from service.settings import Settings
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-
-
-class Model(Protocol):
-    """What the runner needs of a model (the real one is ``service.engine.model.LoadedModel``)."""
-
-    info: ModelInfo
-
-    def forward(self, batch: np.ndarray) -> tuple[Any, Any]: ...
-
-    def warm_up(self) -> None: ...
-
-
-class DeviceDecodingModel(Model, Protocol):
-    """A model that decodes JPEGs on its device (``info.jpeg_decode == "device"``)."""
-
-    def forward_items(self, items: Sequence[np.ndarray | EncodedJpeg]) -> tuple[Any, Any, dict[int, Exception]]: ...
-
-
-class TextModel(Model, Protocol):
-    """A model with a text tower (``info.towers`` has "text")."""
-
-    def tokenize(self, texts: Sequence[str]) -> Tokens: ...
-
-    def encode_text(self, ids: np.ndarray) -> Any: ...
 
 
 def limits(settings: Settings, decode_threads: int) -> Limits:
@@ -77,9 +56,12 @@ def limits(settings: Settings, decode_threads: int) -> Limits:
 class Runner:
     def __init__(self, settings: Settings, *, model: Model | None = None,
                  loader: Callable[[], Model] | None = None, cores: int | None = None,
-                 siblings: Siblings | None = None) -> None:
+                 siblings: Siblings | None = None,
+                 loaders: Mapping[str, Callable[[], Model]] | None = None) -> None:
+        """``loaders``: each served model's loader, by name (``catalog.model_set``); ``model`` or ``loader``
+        alone: a set of one (a given model is served under its own name)."""
         self.settings = settings
-        self._infer_pool = ThreadPool(1)  # the worker-local lock: one native thread touches the model
+        self._infer_pool = ThreadPool(1)  # the worker-local lock: one native thread touches the models
         self._decode_pool = ThreadPool(settings.decode_threads_per_worker())
         self._spare_decode = ThreadPool(1)  # a caller's first image while every decode thread is another's
         # below the hub (HTTP, health checks) come the model, then decode: see ``cores.lower_priority``
@@ -97,43 +79,49 @@ class Runner:
         # images' batches and are never mixed into one
         self.text_batcher = Batcher(self._forward_texts, self._infer_pool, self.scheduling.texts,
                                     self.scheduling.text_rules(), stats=BatchStats(on_batch=metrics.observe_text_batch))
-        self._loader = loader
-        self.model: Model | None = model
-        self.load_error: BaseException | None = None
-        self._ready = Event()
+        if loaders is None:
+            spec = model_set(settings)[0]
+            spec = replace(spec, name=model.info.name) if model is not None and not settings.models else spec
+            loaders = {spec.name: loader} if loader is not None else {}
+            self.engines = {spec.name: Engine(spec, model)}
+        else:
+            self.engines = {s.name: Engine(s) for s in model_set(settings)}
+        self._loaders = dict(loaders)
         self._loading: gevent.Greenlet | None = None
-        if model is not None:
-            self._ready.set()
 
     # ------------------------------------------------------------------ lifecycle
 
     def start(self) -> None:
-        """Begin serving: load the model in the background unless one was given."""
+        """Begin serving: load the models in the background (one after another, the default first)."""
         self.batcher.start()
         self.text_batcher.start()
-        if self.model is None and self._loader is not None:
-            self._loading = gevent.spawn(self._load)
+        if self._loaders:
+            self._loading = gevent.spawn(self._load_all)
 
-    def _load(self) -> None:
+    def _load_all(self) -> None:
+        for name, engine in self.engines.items():
+            if engine.model is None and name in self._loaders:
+                self._load(engine, self._loaders[name])
+
+    def _load(self, engine: Engine, loader: Callable[[], Model]) -> None:
         try:
-            self.model = self._infer_pool.apply(self._load_in_thread)
+            model = self._infer_pool.apply(self._load_in_thread, (loader,))
         except gevent.GreenletExit:  # the worker is exiting (``close``): not a failed load
             raise
         except BaseException as exc:  # logged loudly; /readyz stays 503 and says why
-            self.load_error = exc
-            log.critical("model failed to load: %s", exc, exc_info=True)
+            engine.failed(exc)
+            log.critical("model %s failed to load: %s", engine.name, exc, exc_info=True)
             return
-        info = self.model.info
+        info = model.info
         metrics.MODEL_LOAD_SECONDS.set(info.load_seconds)
         log.info("model ready: %s (%s weights) on %s in %s, embedding_dim=%s, %d labels, loaded in %.2fs",
                  info.name, info.weights, info.device, info.dtype, info.embedding_dim, len(info.labels),
                  info.load_seconds)
-        self._ready.set()
+        engine.loaded(model)
 
-    def _load_in_thread(self) -> Model:
-        assert self._loader is not None
+    def _load_in_thread(self, loader: Callable[[], Model]) -> Model:
         lower_priority(self._inference_nice)  # before torch starts its threads: they inherit it
-        model = self._loader()
+        model = loader()
         module = getattr(model, "module", None)  # ``LoadedModel.module``; test doubles have none
         if self._preemption is not None and isinstance(module, nn.Module):
             log.debug("%d preemption points in the model", self._preemption.install(module))
@@ -158,22 +146,41 @@ class Runner:
             return True
         return False
 
+    def engine(self, name: str | None = None) -> Engine:
+        """A served model's engine (the default without a name); KeyError for a name not served."""
+        return self.engines[name] if name is not None else next(iter(self.engines.values()))
+
     @property
     def ready(self) -> bool:
-        return bool(self._ready.is_set())
+        """Every served model is loaded."""
+        return all(engine.ready for engine in self.engines.values())
 
     @property
     def info(self) -> ModelInfo | None:
-        """The loaded model's facts, or None while it loads (or after it failed)."""
-        return self.model.info if self.model is not None else None
+        """The default model's facts, or None while it loads (or after it failed)."""
+        return self.engine().info
+
+    @property
+    def load_error(self) -> BaseException | None:
+        return next((e.load_error for e in self.engines.values() if e.load_error is not None), None)
+
+    @property
+    def model(self) -> Model | None:
+        return self.engine().model
+
+    @model.setter
+    def model(self, value: Model | None) -> None:  # tests: as before the model has loaded
+        self.engine().model = value
 
     # ------------------------------------------------------------------ work
 
     @contextlib.contextmanager
     def admit(self, n_images: int, *, coming: int | None = None, arrived: float | None = None,
-              caller: str = "", streamed: bool = False) -> Iterator[Admission]:
-        with self.scheduling.admit(n_images, coming=coming, arrived=arrived, caller=caller, ready=self.ready,
-                                   streamed=streamed) as admission:
+              caller: str = "", streamed: bool = False, model: str | None = None) -> Iterator[Admission]:
+        """Reserve queue slots for a request to ``model`` (the default without one): 503 while it loads."""
+        engine = self.engine(model)
+        with self.scheduling.admit(n_images, coming=coming, arrived=arrived, caller=caller, ready=engine.ready,
+                                   streamed=streamed, model=engine.name) as admission:
             yield admission
 
     def wait_to_fetch(self, admission: Admission) -> None:
@@ -215,37 +222,29 @@ class Runner:
     def infer(self, pixels: np.ndarray | EncodedJpeg, deadline: float | None, admission: Admission) -> AsyncResult:
         return self.batcher.submit(pixels, deadline, admission)
 
-    def tokenize(self, texts: Sequence[str]) -> Tokens:
+    def tokenize(self, texts: Sequence[str], model: str | None = None) -> Tokens:
         """Token ids (a decode thread); the caller submits them at once, without yielding to the hub."""
         self.scheduling.texts_coming += len(texts)
         try:
-            return self.offload(self._text_model().tokenize, list(texts))
+            return self.offload(self.engine(model).text_model().tokenize, list(texts))
         finally:
             self.scheduling.texts_coming -= len(texts)
 
     def infer_text(self, ids: np.ndarray, deadline: float | None, admission: Admission) -> AsyncResult:
         return self.text_batcher.submit(ids, deadline, admission)
 
-    def _text_model(self) -> TextModel:
-        # requests for text reach here only admitted (the model is loaded) and checked by the api, which
-        # refuses them with text_not_supported when the model has no text tower
-        assert self.info is not None and "text" in self.info.towers
-        return cast(TextModel, self.model)
-
-    def _forward_texts(self, ids: np.ndarray) -> tuple[Any, None]:
+    def _forward_texts(self, model: str, ids: np.ndarray) -> tuple[Any, None]:
         assert threading.current_thread() is not threading.main_thread()
-        model = self._text_model()
+        text_model = self.engines[model].text_model()
         lower_priority(self._inference_nice)
-        self.cores.apply(model)
-        return model.encode_text(ids), None
+        self.cores.apply(text_model)
+        return text_model.encode_text(ids), None
 
-    def _forward(self, batch: np.ndarray | list[np.ndarray | EncodedJpeg]) -> tuple[Any, Any] | BatchOutputs:
-        assert self.model is not None and threading.current_thread() is not threading.main_thread()
+    def _forward(self, model: str, batch: np.ndarray | list[np.ndarray | EncodedJpeg]) -> tuple[Any, Any] | BatchOutputs:
+        engine = self.engines[model]
         lower_priority(self._inference_nice)
-        self.cores.apply(self.model)
-        if isinstance(batch, np.ndarray):
-            return self.model.forward(batch)
-        return BatchOutputs(*cast(DeviceDecodingModel, self.model).forward_items(batch))  # JPEGs for the device
+        self.cores.apply(engine.model)
+        return engine.forward(batch)
 
 
 class _Raised:

@@ -24,10 +24,10 @@ class Admission:
     their way (being fetched or decoded), how far they got, and whether it ended early."""
 
     __slots__ = ("key", "arrived", "start", "caller", "upstream", "cancelled", "streamed", "submitted", "taken",
-                 "decodes", "_settled")
+                 "decodes", "model", "_settled")
 
     def __init__(self, upstream: int, arrived: float, start: float = 0.0, caller: str = "", *,
-                 streamed: bool = False, settled: Callable[[int], None] | None = None) -> None:
+                 streamed: bool = False, model: str = "", settled: Callable[[int], None] | None = None) -> None:
         self.key = next(_keys)
         self.arrived = arrived
         self.start = start
@@ -38,6 +38,7 @@ class Admission:
         self.submitted = 0  # images that reached the batcher
         self.taken = 0  # images that left the queue for a forward
         self.decodes = 0  # images that asked for a decode thread
+        self.model = model  # the served model it asked for
         self._settled = settled
 
     @contextlib.contextmanager
@@ -61,7 +62,7 @@ class Admission:
 
     def view(self) -> RequestView:
         return RequestView(self.key, self.caller, self.start, self.upstream, self.submitted, self.taken,
-                           self.decodes, self.streamed)
+                           self.decodes, self.streamed, self.model)
 
 
 class FairTags:

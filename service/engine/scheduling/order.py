@@ -39,6 +39,7 @@ class FairQueue:
         self._order = itertools.count()
         self._snapshot: tuple[Waiting, ...] | None = ()  # ``waiting()``, kept until the queue changes
         self.by_caller: Counter[str] = Counter()  # queued images per caller
+        self.by_model: Counter[str] = Counter()  # queued images per model
         self.arrived = Event()  # set when an image comes, or when a waiting collector should look again
         self.last_arrival = 0.0
 
@@ -47,10 +48,10 @@ class FairQueue:
 
     def push(self, pixels: Any, deadline: float | None, admission: Admission) -> Queued:
         """Queue the request's next image with its next tag."""
-        waiting = Waiting(admission.next_tag(), next(self._order), admission.key, admission.caller)
+        waiting = Waiting(admission.next_tag(), next(self._order), admission.key, admission.caller, admission.model)
         item = Queued(pixels, deadline, admission, waiting)
         heapq.heappush(self._heap, (waiting, item))
-        self._changed(waiting.caller, 1)
+        self._changed(waiting, 1)
         self.last_arrival = item.enqueued
         self.arrived.set()
         return item
@@ -61,15 +62,16 @@ class FairQueue:
             self._snapshot = tuple(entry[0] for entry in self._heap)
         return self._snapshot
 
-    def pop(self, request: int | None = None) -> Queued | None:
-        """The lowest-tagged image, or (``request`` given) that request's lowest."""
-        if request is None:
+    def pop(self, request: int | None = None, model: str | None = None) -> Queued | None:
+        """The lowest-tagged image, or that of ``request``, or of ``model``, when given."""
+        if request is None and (model is None or self.by_model[model] == len(self._heap)):
             if not self._heap:
                 return None
             item = heapq.heappop(self._heap)[1]
-            self._changed(item.waiting.caller, -1)
+            self._changed(item.waiting, -1)
             return item
-        mine = [entry for entry in self._heap if entry[0].request == request]
+        mine = [entry for entry in self._heap if (entry[0].request == request if request is not None
+                                                   else entry[0].model == model)]
         if not mine:
             return None
         entry = min(mine)
@@ -86,7 +88,7 @@ class FairQueue:
     def requeue(self, items: Iterable[Queued]) -> None:
         for item in items:
             heapq.heappush(self._heap, (item.waiting, item))
-            self._changed(item.waiting.caller, 1)
+            self._changed(item.waiting, 1)
 
     def drop(self, admission: Admission) -> int:
         """Drop ``admission``'s images; how many were dropped."""
@@ -108,12 +110,14 @@ class FairQueue:
             self._heap = kept
             self._snapshot = None
             self.by_caller = Counter(entry[0].caller for entry in kept)
+            self.by_model = Counter(entry[0].model for entry in kept)
 
-    def _changed(self, caller: str, n: int) -> None:
+    def _changed(self, waiting: Waiting, n: int) -> None:
         self._snapshot = None
-        self.by_caller[caller] += n
-        if not self.by_caller[caller]:
-            del self.by_caller[caller]
+        for counts, key in ((self.by_caller, waiting.caller), (self.by_model, waiting.model)):
+            counts[key] += n
+            if not counts[key]:
+                del counts[key]
 
 
 def still_due(batch: Sequence[Queued]) -> list[Queued]:

@@ -50,6 +50,7 @@ class RequestView:
     taken: int  # images that left the queue for a forward
     decodes: int  # images that asked for a decode thread
     streamed: bool  # its answer is streamed, one line per image
+    model: str = ""  # the served model it asked for
 
     def upstream_before(self, tag: float) -> int:
         """Of its images on their way, about how many are tagged before ``tag`` (they arrive roughly in order)."""
@@ -72,6 +73,7 @@ class Waiting(NamedTuple):
     seq: int
     request: int  # its RequestView's key
     caller: str
+    model: str = ""  # the model it goes through: a forward holds one model's images
 
 
 @dataclass(frozen=True)
@@ -129,8 +131,8 @@ class Run:
 
 @dataclass(frozen=True)
 class BatchPlan:
-    """What a forming batch does next: take up to ``cap`` images (only request ``own``'s, if set), waiting
-    for more until ``wait_until``; ``closed``: take no more; ``others``: run these first, on their own."""
+    """What a forming batch does next: take up to ``cap`` images of ``model`` (only request ``own``'s, if set),
+    waiting for more until ``wait_until``; ``closed``: take no more; ``others``: run these first, on their own."""
 
     cap: int
     own: int | None
@@ -138,6 +140,7 @@ class BatchPlan:
     urgent: bool = False
     closed: bool = False
     others: Run = Run()
+    model: str = ""
 
 
 # ---------------------------------------------------------------------------------------------- admission
@@ -227,13 +230,14 @@ def holds(view: WorkerView) -> bool:
 def batch_plan(view: WorkerView, forming: Forming) -> BatchPlan:
     """The next step of a forming image batch."""
     leader = view.requests.get(forming.members[0].request)
+    model = forming.members[0].model
     if (plan := first_row(view, forming, leader)) is not None:
         return plan
     cap = batch_cap(view)
     own = members(view, leader)
     if others := others_now(view, forming, leader):
-        return BatchPlan(cap, own, view.now, others=Run(others, urgent=holds(view)))
-    return BatchPlan(cap, own, gather_until(view, forming, leader), closed=overtaken(view, forming, own))
+        return BatchPlan(cap, own, view.now, others=Run(others, urgent=holds(view)), model=model)
+    return BatchPlan(cap, own, gather_until(view, forming, leader), closed=overtaken(view, forming, own), model=model)
 
 
 def first_row(view: WorkerView, forming: Forming, leader: RequestView | None) -> BatchPlan | None:
@@ -243,7 +247,7 @@ def first_row(view: WorkerView, forming: Forming, leader: RequestView | None) ->
     mine = sum(1 for m in forming.members if m.request == leader.key)
     if leader.taken > mine:  # an earlier forward had its images: this is not its first row
         return None
-    return BatchPlan(cap=1, own=leader.key, wait_until=view.now, urgent=holds(view))
+    return BatchPlan(cap=1, own=leader.key, wait_until=view.now, urgent=holds(view), model=leader.model)
 
 
 def members(view: WorkerView, leader: RequestView | None) -> int | None:
@@ -296,7 +300,7 @@ def others_now(view: WorkerView, forming: Forming, leader: RequestView | None) -
     inside = {m.caller for m in forming.members}
     due = sorted(w for w in view.queue if w.caller not in inside and light_caller(view, w.caller)
                  and _complete(view, w.request))
-    return tuple(due[:batch_cap(view)])
+    return _one_model(due)[:batch_cap(view)]
 
 
 def interjection(view: WorkerView, running: Forming, left: int) -> Run:
@@ -305,14 +309,19 @@ def interjection(view: WorkerView, running: Forming, left: int) -> Run:
     if not view.limits.interject or not view.preemptible or len(running.members) < 2 or left <= 0:
         return Run()
     inside = {m.caller for m in running.members}
-    due = tuple(sorted(w for w in view.queue if w.caller not in inside)[:left])
+    due = _one_model(sorted(w for w in view.queue if w.caller not in inside))[:left]
     return Run(due, urgent=holds(view)) if due else Run()
 
 
 def text_plan(view: WorkerView, forming: Forming) -> BatchPlan:
     """text: a text batch holds texts only and waits (max_wait) only while texts are being tokenised."""
     until = forming.started + view.limits.max_wait_s if view.texts_coming > 0 else view.now
-    return BatchPlan(view.limits.max_text_batch, None, until)
+    return BatchPlan(view.limits.max_text_batch, None, until, model=forming.members[0].model)
+
+
+def _one_model(due: list[Waiting]) -> tuple[Waiting, ...]:
+    """A forward holds one model's images: the first due image's model."""
+    return tuple(w for w in due if w.model == due[0].model) if due else ()
 
 
 def _complete(view: WorkerView, key: int) -> bool:

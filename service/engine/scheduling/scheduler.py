@@ -82,7 +82,7 @@ class Scheduler:
 
     @contextlib.contextmanager
     def admit(self, n_images: int, *, coming: int | None = None, arrived: float | None = None, caller: str = "",
-              ready: bool = True, streamed: bool = False) -> Iterator[Admission]:
+              ready: bool = True, streamed: bool = False, model: str = "") -> Iterator[Admission]:
         """Reserve ``n_images`` (of which ``coming`` will travel to the batcher; default all) for ``caller``,
         or refuse (``rules.admission``). A request that ends with an exception has its queued images dropped."""
         self._refuse(rules.admission(self.view(), caller, n_images, ready), caller)
@@ -90,7 +90,7 @@ class Scheduler:
         coming = n_images if coming is None else coming
         start = self._callers.admit(caller, n_images, now)
         admission = Admission(coming, now if arrived is None else arrived, start, caller, streamed=streamed,
-                              settled=self.settle)
+                              model=model, settled=self.settle)
         self._admitted += n_images
         self._upstream += coming
         self._requests[admission.key] = admission

@@ -167,7 +167,7 @@ class Plans:
 
 def fixed(fwd: Forward, plans: Plans) -> tuple[Batcher, Scheduler]:
     scheduler = batching.scheduler()
-    b = Batcher(fwd, ThreadPool(1), scheduler.images, plans.rules())
+    b = Batcher(lambda _model, batch: fwd(batch), ThreadPool(1), scheduler.images, plans.rules())
     b.start()
     return b, scheduler
 
@@ -214,7 +214,7 @@ def test_a_plans_others_run_on_their_own_before_the_batch_goes_on() -> None:
         return BatchPlan(8, None, forming.started) if len(forming.members) > 1 else BatchPlan(8, None, time.monotonic() + 5)
 
     plans = Plans(plan)
-    b = Batcher(fwd, ThreadPool(1), scheduler.images, plans.rules())
+    b = Batcher(lambda _model, batch: fwd(batch), ThreadPool(1), scheduler.images, plans.rules())
     with scheduler.admit(2, coming=0, caller="album") as album, scheduler.admit(1, coming=0, caller="search") as s:
         album_rows = submit(b, album, 1)
         search_rows = submit(b, s, 100)

@@ -1,0 +1,53 @@
+"""The models a server serves: ``GREENSERVE_MODELS``, or ``GREENSERVE_MODEL`` alone as a set of one.
+
+    GREENSERVE_MODELS=search=open_clip:ViT-B-32@laion2b_s34b_b79k,labels=resnet50@/srv/weights/resnet50.pt
+
+Each entry is ``name=model[@weights]`` (weights default to ``GREENSERVE_WEIGHTS``); the first is the default, the
+model a request without a model name goes to. A list in one variable, rather than a file, because that is what a
+systemd unit, a container and a Kubernetes manifest pass most easily, and one line per model says all a model
+needs. Names are what every protocol routes by (``http.model_names``).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from service.settings import Settings, SettingsError
+
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,63}$")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str  # what requests call it
+    model: str  # a GREENSERVE_MODEL value: resnet50, open_clip:ViT-B-32, timm:convnext_tiny
+    weights: str  # a GREENSERVE_WEIGHTS value
+
+
+def default_name(model: str) -> str:
+    """The name a lone ``GREENSERVE_MODEL`` is served under: a torchvision model's bare name, else the spec
+    (as ``ModelInfo.name`` says it)."""
+    family, sep, arch = model.partition(":")
+    return arch if sep and family == "torchvision" else model
+
+
+def model_set(settings: Settings) -> tuple[ModelSpec, ...]:
+    """The served models, the default first."""
+    if not settings.models.strip():
+        return (ModelSpec(default_name(settings.model), settings.model, settings.weights),)
+    specs = tuple(_entry(part.strip(), settings.weights) for part in settings.models.split(",") if part.strip())
+    names = [s.name for s in specs]
+    if not specs or len(set(names)) != len(names):
+        raise SettingsError(f"GREENSERVE_MODELS={settings.models!r}: give each model a name of its own "
+                            "(name=model[@weights], comma-separated)")
+    return specs
+
+
+def _entry(text: str, weights: str) -> ModelSpec:
+    name, sep, rest = text.partition("=")
+    model, _, own_weights = rest.partition("@")
+    if not sep or not _NAME_RE.match(name.strip()) or not model.strip():
+        raise SettingsError(f"GREENSERVE_MODELS entry {text!r} is not name=model[@weights] (a name of letters, "
+                            "digits, '.', '_', ':', '-'), e.g. search=open_clip:ViT-B-32@laion2b_s34b_b79k")
+    return ModelSpec(name.strip(), model.strip(), own_weights.strip() or weights)
