@@ -65,25 +65,38 @@ class DataPlane:
 
     @property
     def info(self) -> ModelInfo | None:
-        """The loaded model's description; None while it loads."""
+        """The default model's description; None while it loads."""
         return self.runner.info
 
     @property
     def model_name(self) -> str:
-        """The served model's name (``GREENSERVE_MODEL`` until it has loaded); ``model_names`` resolves a
-        protocol's name against it."""
-        return model_names.served_name(self.runner.info, self.settings.model)
+        """The default model's name."""
+        return self.runner.engine().name
 
-    def require_info(self) -> ModelInfo:
-        """The loaded model's description, or the 503 admission gives while it loads."""
-        if self.runner.info is None:
-            raise Overloaded("the model is still loading on this worker; retry shortly",
-                             retry_after_s=NOT_READY_RETRY_S, code="not_ready")
-        return self.runner.info
+    @property
+    def served(self) -> tuple[str, ...]:
+        """Every served model's name, the default first: what ``model_names`` resolves a protocol's name against."""
+        return tuple(self.runner.engines)
 
-    def not_ready_reason(self) -> str:
-        """Why this worker is not ready: what /readyz and the protocols' readiness routes say."""
-        return f"model failed to load: {self.runner.load_error}" if self.runner.load_error else "model loading"
+    def info_of(self, model: str | None = None) -> ModelInfo | None:
+        """A served model's description (the default's without a name); None while it loads."""
+        return self.runner.engine(model).info
+
+    def require_info(self, model: str | None = None) -> ModelInfo:
+        """A served model's description, or the 503 admission gives while it loads."""
+        info = self.info_of(model)
+        if info is None:
+            raise Overloaded(f"the model {self.runner.engine(model).name!r} is still loading on this worker; retry "
+                             "shortly", retry_after_s=NOT_READY_RETRY_S, code="not_ready")
+        return info
+
+    def not_ready_reason(self, model: str | None = None) -> str:
+        """Why a model (or, without a name, the worker) is not ready: what /readyz and the protocols'
+        readiness routes say."""
+        engines = [self.runner.engine(model)] if model is not None else list(self.runner.engines.values())
+        failed = [f"{e.name} failed to load: {e.load_error}" for e in engines if e.load_error is not None]
+        loading = [e.name for e in engines if not e.ready and e.load_error is None]
+        return "; ".join(failed) if failed else f"model loading: {', '.join(loading)}" if loading else "ready"
 
     def busy(self) -> AbstractContextManager[None]:
         """Around parsing and running: siblings see this worker as busy from here (parsing included)."""
@@ -100,21 +113,21 @@ class DataPlane:
             progress: Progress | None = None) -> Answer:
         """The native response body for ``task``: ``{"model", "data", "errors", "timings_ms", "request_id"}``;
         ``progress`` hears of each image's answer as it is ready (a streamed answer)."""
-        check_task(self.runner.info, req, task)
+        check_task(self.info_of(req.model), req, task)
         metrics.CALLER_REQUESTS.labels(ctx.caller_source).inc()
         tally = self._tally(ctx, req)
         with cancel_on_hang_up(self._client(ctx)):
             body = self.orchestrator.run(req, task, deadline=ctx.deadline(self.settings.request_timeout_s, timeout_s),
                                          request_id=ctx.request_id, caller=ctx.caller, progress=progress, tally=tally)
         _observe(body["timings_ms"])
-        body = {"model": self.runner.info.name if self.runner.info else "", **body, "request_id": ctx.request_id}
+        body = {"model": self.runner.engine(req.model).name, **body, "request_id": ctx.request_id}
         return Answer(body, Served(_size(req), body["timings_ms"], tally))
 
     def run_rows(self, ctx: RequestContext, req: InferenceRequest, tasks: tuple[str, ...], *,
                  timeout_s: float | None = None) -> tuple[Rows, Served]:
         """Each image's raw row (features and logits from one forward), for protocols with their own outputs."""
         for task in tasks:
-            check_task(self.runner.info, req, task)
+            check_task(self.info_of(req.model), req, task)
         metrics.CALLER_REQUESTS.labels(ctx.caller_source).inc()
         tally = self._tally(ctx, req)
         with cancel_on_hang_up(self._client(ctx)):

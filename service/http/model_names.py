@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Union
 
 from service.engine.types import ModelInfo
 from service.errors import NotFound
@@ -41,19 +42,29 @@ def names(model: str, tasks: Sequence[str] = TASKS) -> list[str]:
     return [model] + ([model + EMBEDDING_SUFFIX] if "embeddings" in tasks else [])
 
 
-def resolve(served: str, asked: str) -> Target:
-    """KServe v1, TorchServe, OpenAI and the native routes: ``<served>`` is its classes,
-    ``<served>-embedding`` its embeddings; any other name is 404."""
-    if asked == served:
-        return Target(served, "classify")
-    if asked == served + EMBEDDING_SUFFIX:
-        return Target(served, "embeddings")
-    raise NotFound(f"no model named {asked!r}; this server serves {served!r} (classes) and "
-                   f"{served + EMBEDDING_SUFFIX!r} (embeddings)", code="model_not_found")
+Served = Union[str, Sequence[str]]  # the served models' names, the default first (or one name)
 
 
-def resolve_plain(served: str, asked: str) -> str:
+def _all(served: Served) -> list[str]:
+    return [served] if isinstance(served, str) else list(served)
+
+
+def resolve(served: Served, asked: str) -> Target:
+    """KServe v1, TorchServe, OpenAI and the native routes: ``<m>`` is model m's classes, ``<m>-embedding``
+    its embeddings; any other name is 404, naming what is served."""
+    models = _all(served)
+    if asked in models:
+        return Target(asked, "classify")
+    if asked.endswith(EMBEDDING_SUFFIX) and asked[:-len(EMBEDDING_SUFFIX)] in models:
+        return Target(asked[:-len(EMBEDDING_SUFFIX)], "embeddings")
+    listed = "; ".join(f"{m!r} (classes) and {m + EMBEDDING_SUFFIX!r} (embeddings)" for m in models)
+    raise NotFound(f"no model named {asked!r}; this server serves {listed}", code="model_not_found")
+
+
+def resolve_plain(served: Served, asked: str) -> str:
     """OIP v2: the model a plain name asks for (Triton's words when there is none: 404)."""
-    if asked != served:
-        raise NotFound(f"Request for unknown model: {asked!r}; this server serves {served!r}", code="model_not_found")
-    return served
+    models = _all(served)
+    if asked not in models:
+        raise NotFound(f"Request for unknown model: {asked!r}; this server serves {', '.join(map(repr, models))}",
+                       code="model_not_found")
+    return asked

@@ -139,8 +139,8 @@ class Orchestrator:
         if outcomes and not req.partial:
             self._fail(req, outcomes)  # refused at parsing: no work is worth starting
         with self.runner.admit(len(req.refs), coming=len(req.refs) - len(outcomes), arrived=spans.started,
-                               caller=caller, streamed=progress is not None) as admission:
-            info = self.runner.info
+                               caller=caller, streamed=progress is not None, model=req.model) as admission:
+            info = self.runner.engine(req.model).info
             assert info is not None  # admitted: the model is ready
             if progress is not None:
                 progress.admitted()
@@ -169,7 +169,8 @@ class Orchestrator:
         """Text embeddings: ``{"data": [{"index", "embedding", "tokens", "truncated"}], ...}``."""
         spans = Spans()
         texts = req.text.texts
-        with self.runner.admit(text_slots(len(texts)), coming=0, arrived=spans.started, caller=caller) as admission:
+        with self.runner.admit(text_slots(len(texts)), coming=0, arrived=spans.started, caller=caller,
+                               model=req.model) as admission:
             if progress is not None:
                 progress.admitted()
             with _deadline_timeout(deadline, "texts"):

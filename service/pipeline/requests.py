@@ -30,3 +30,4 @@ class InferenceRequest:
     normalize: bool = True
     partial: bool = False
     text: TextOptions = TextOptions()
+    model: str | None = None  # the served model it asks for (``http.model_names``); None: the default

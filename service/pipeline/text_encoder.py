@@ -41,10 +41,10 @@ class TextEncoder:
     def encode(self, texts: Sequence[str], *, deadline: float, admission: Admission,
                truncate: bool = True) -> list[TextRow]:
         """Each text's embedding, in order. With ``truncate`` false, a text past the context length is refused."""
-        tokens = self.runner.tokenize(texts)
+        tokens = self.runner.tokenize(texts, admission.model or None)
         if not truncate and any(tokens.truncated):
             first = tokens.truncated.index(True)
-            info = self.runner.info
+            info = self.runner.engine(admission.model or None).info
             raise RequestError(f"text {first} has more tokens than the model's context length "
                                f"({info.context_length if info else '?'}); shorten it or send \"truncate\": true",
                                code="over_context_length")
@@ -58,7 +58,8 @@ class TextEncoder:
 
     def unit_vectors(self, prompts: Sequence[str], *, deadline: float, admission: Admission) -> np.ndarray:
         """(len(prompts), dim) unit vectors; prompts seen before come from the cache, the rest in one go."""
-        missing = [p for p in dict.fromkeys(prompts) if p not in self._cache]
+        keys = [f"{admission.model}\n{p}" for p in prompts]  # each model's vectors apart
+        missing = [p for p, k in dict.fromkeys(zip(prompts, keys, strict=True)) if k not in self._cache]
         self.hits += len(prompts) - len(missing)
         self.misses += len(missing)
         metrics.TEXT_CACHE.labels("hit").inc(len(prompts) - len(missing))
@@ -69,20 +70,20 @@ class TextEncoder:
             rows = self.encode(missing, deadline=deadline, admission=admission)
             fresh = {p: embedding(r.embedding, normalize=True) for p, r in zip(missing, rows, strict=True)}
             metrics.STAGE_SECONDS.labels("text").observe(time.monotonic() - started)
-        vectors = np.stack([fresh[p] if p in fresh else self._hit(p) for p in prompts])
+        vectors = np.stack([fresh[p] if p in fresh else self._hit(k) for p, k in zip(prompts, keys, strict=True)])
         for p, v in fresh.items():
-            self._keep(p, v)
+            self._keep(f"{admission.model}\n{p}", v)
         return vectors
 
-    def _hit(self, prompt: str) -> np.ndarray:
-        self._cache.move_to_end(prompt)
-        return self._cache[prompt]
+    def _hit(self, key: str) -> np.ndarray:
+        self._cache.move_to_end(key)
+        return self._cache[key]
 
-    def _keep(self, prompt: str, vector: np.ndarray) -> None:
+    def _keep(self, key: str, vector: np.ndarray) -> None:
         if self.cache_size <= 0:
             return
-        self._cache[prompt] = vector
-        self._cache.move_to_end(prompt)
+        self._cache[key] = vector
+        self._cache.move_to_end(key)
         while len(self._cache) > self.cache_size:
             self._cache.popitem(last=False)
 

@@ -18,6 +18,7 @@ from service.settings import Settings
 
 class _Admission:
     arrived = 0.0
+    model = "fake"
 
     def rank(self, index: int) -> tuple[float, int]:
         return (0.0, index)
@@ -31,7 +32,10 @@ class _Runner:
     def __init__(self) -> None:
         self.forwarded: list[int] = []
 
-    def tokenize(self, texts, *, rank=None):
+    def engine(self, name=None):
+        return self
+
+    def tokenize(self, texts, model=None):
         ids = np.zeros((len(texts), 8), np.int64)
         for i, t in enumerate(texts):
             ids[i, 0] = len(t)

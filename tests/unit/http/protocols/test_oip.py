@@ -31,7 +31,7 @@ def test_health_is_live_but_not_ready_while_the_model_loads(client: FlaskClient)
     assert client.get("/v2/health/live").json == {"live": True}
     r = client.get("/v2/health/ready")
     assert r.status_code == 503 and r.json["ready"] is False
-    configured = client.application.extensions["greenserve"].settings.model  # the name until it has loaded
+    configured = client.application.extensions["greenserve"].model_name  # a served name, loaded or not
     r = client.get(f"/v2/models/{configured}/ready")
     assert r.status_code == 503 and r.json["ready"] is False
     r = client.post(f"/v2/models/{configured}/infer", json={"inputs": []})
