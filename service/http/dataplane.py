@@ -21,7 +21,6 @@ from service.engine.runner import Runner
 from service.engine.scheduling import NOT_READY_RETRY_S
 from service.engine.types import ModelInfo
 from service.errors import Overloaded, RequestError
-from service.http import model_names
 from service.http.connection import cancel_on_hang_up
 from service.http.context import Identities, RequestContext
 from service.pipeline.orchestrate import Orchestrator, Progress, Rows
@@ -77,6 +76,16 @@ class DataPlane:
     def served(self) -> tuple[str, ...]:
         """Every served model's name, the default first: what ``model_names`` resolves a protocol's name against."""
         return tuple(self.runner.engines)
+
+    def infos(self) -> dict[str, ModelInfo | None]:
+        """Every served model's description by name (None while it loads), the default first."""
+        return {name: engine.info for name, engine in self.runner.engines.items()}
+
+    def states(self) -> dict[str, tuple[str, ModelInfo | None, str]]:
+        """Every served model by name: (its configured model, its description once loaded, ready | loading |
+        failed)."""
+        return {name: (e.spec.model, e.info, "ready" if e.ready else "failed" if e.load_error else "loading")
+                for name, e in self.runner.engines.items()}
 
     def info_of(self, model: str | None = None) -> ModelInfo | None:
         """A served model's description (the default's without a name); None while it loads."""

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Union
 
 from service.engine.types import ModelInfo
 from service.errors import NotFound
@@ -42,7 +41,7 @@ def names(model: str, tasks: Sequence[str] = TASKS) -> list[str]:
     return [model] + ([model + EMBEDDING_SUFFIX] if "embeddings" in tasks else [])
 
 
-Served = Union[str, Sequence[str]]  # the served models' names, the default first (or one name)
+Served = str | Sequence[str]  # the served models' names, the default first (or one name)
 
 
 def _all(served: Served) -> list[str]:

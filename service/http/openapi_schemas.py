@@ -68,6 +68,8 @@ def fields(settings: Settings, task: str) -> dict[str, Schema]:
         "template": {"type": "string", "pattern": r"\{\}", "maxLength": settings.max_text_chars,
                      "default": DEFAULT_TEMPLATE, "description": 'one "{}" where each label goes; only with labels'},
         "query": {**ref("Text"), "description": "the text the images are ranked by"},
+        "model": {"type": "string", "pattern": _NONBLANK, "description": "a served model's name (GET /v1/models); "
+                  "without it, the default (the first of GREENSERVE_MODELS)"},
     }
 
 
@@ -182,7 +184,7 @@ def _model_card() -> Schema:
                     description="GREENSERVE_DTYPE and what each tower chose on this worker's hardware, and why")
     properties = {
         "id": string, "object": {"const": "model"}, "created": _integer(), "owned_by": string, "ready": {"const": True},
-        "name": string, "family": string, "towers": {"type": "array", "items": {"enum": ["image", "text"]}},
+        "state": {"const": "ready"}, "name": string, "model": string, "family": string, "towers": {"type": "array", "items": {"enum": ["image", "text"]}},
         "tasks": {"type": "array", "items": {"enum": list(TASKS)}}, "embedding_dim": {"type": ["integer", "null"]},
         "labels_count": _integer(), "device": string, "dtype": string, "weights": string, "format": string,
         "input": size, "preprocessing": preprocessing, "load_seconds": {"type": "number", "minimum": 0}, "text": text,
@@ -197,13 +199,20 @@ def _probes() -> dict[str, Schema]:
     string = {"type": "string"}
     return {
         "Health": obj({"status": {"const": "ok"}, "pid": pid}, ("status", "pid")),
-        "Ready": obj({"status": {"const": "ready"}, "pid": pid, "model": string}, ("status", "pid", "model")),
+        "Ready": obj({"status": {"const": "ready"}, "pid": pid, "model": string,
+                      "models": {"type": "array", "items": string, "minItems": 1}}, ("status", "pid", "model", "models")),
         "NotReady": obj({"status": {"const": "not_ready"}, "pid": pid, "reason": string}, ("status", "pid", "reason")),
         "ModelList": obj({"object": {"const": "list"}, "models": {"type": "array", "items": string},
-                          "data": {"type": "array", "items": ref("ModelCard"), "minItems": 1}},
+                          "data": {"type": "array", "items": {"oneOf": [ref("ModelCard"), ref("ModelCardLoading")]},
+                                   "minItems": 1}},
                          ("object", "models", "data")),
-        "ModelListLoading": obj({"object": {"const": "list"}, "data": {"type": "array", "maxItems": 0},
-                                 "models": {"type": "array", "maxItems": 0}, "status": {"const": "loading"}},
+        "ModelCardLoading": obj({"id": string, "object": {"const": "model"}, "created": _integer(), "owned_by": string,
+                                 "name": string, "model": string, "ready": {"const": False},
+                                 "state": {"enum": ["loading", "failed"]}},
+                                ("id", "object", "created", "owned_by", "name", "model", "ready", "state"),
+                                description="a served model not loaded (yet) on this worker"),
+        "ModelListLoading": obj({"object": {"const": "list"}, "data": {"type": "array", "items": ref("ModelCardLoading")},
+                                 "models": {"type": "array", "items": string}, "status": {"const": "loading"}},
                                 ("object", "data", "models", "status")),
         "Model": obj({"id": string, "object": {"const": "model"}, "created": _integer(), "owned_by": string,
                       "name": string, "ready": {"const": True}},

@@ -4,6 +4,8 @@ and ``/metrics``. Each parses its body into an ``InferenceRequest`` and hands it
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
 
 import orjson
@@ -72,20 +74,26 @@ def _parse_request(plane: DataPlane, task: str, openai_too: bool = False
         if unexpected:
             raise RequestError(f"files in unknown field(s) {', '.join(unexpected)}; use the field 'images'")
         fields = {k: v for k, v in request.form.to_dict().items() if k != "labels"}
-        return parse_form(fields, files, settings, task, labels=request.form.getlist("labels")), None
+        return _named(plane, parse_form(fields, files, settings, task, labels=request.form.getlist("labels"))), None
     if mimetype in ("application/json", "") or mimetype.endswith("+json"):
-        return plane.parse_body(read_body(), _parse_json, settings, task, openai_too, plane.info, plane.model_name)
+        req, options = plane.parse_body(read_body(), _parse_json, settings, task, openai_too, plane.infos())
+        return (req, options) if options is not None else (_named(plane, req), None)
     raise UnsupportedMediaType(f"Content-Type {mimetype!r} is not accepted; send application/json or "
                                "multipart/form-data")
 
 
-def _parse_json(raw: bytes, settings: Settings, task: str, openai_too: bool, info: ModelInfo | None,
-                name: str) -> tuple[InferenceRequest, openai.Options | None]:
+def _parse_json(raw: bytes, settings: Settings, task: str, openai_too: bool,
+                models: Mapping[str, ModelInfo | None]) -> tuple[InferenceRequest, openai.Options | None]:
     """The native JSON body, or (on /v1/embeddings) OpenAI's ``{"model", "input"}``."""
     doc = load_json(raw, '{"images": ["https://.../a.jpg"]}')
     if openai_too and openai.is_openai(doc):
-        return openai.parse(doc, settings, info, name)
+        return openai.parse(doc, settings, models)
     return parse_doc(doc, settings, task), None
+
+
+def _named(plane: DataPlane, req: InferenceRequest) -> InferenceRequest:
+    """A native request's ``model``, resolved to a served name (404 naming those served)."""
+    return replace(req, model=model_names.resolve_plain(plane.served, req.model)) if req.model else req
 
 
 # ---------------------------------------------------------------------- info and probes
@@ -93,20 +101,21 @@ def _parse_json(raw: bytes, settings: Settings, task: str, openai_too: bool, inf
 
 @bp.get("/v1/models")
 def models() -> Response:
-    """Native (``data[0]`` is the model's description), OpenAI (``data[].id``) and KServe v1 (``models``)."""
-    info = current.plane().info
-    if info is None:
-        return _json({"object": "list", "data": [], "models": [], "status": "loading"}, 503)
-    return _json(openai.models_body(info))
+    """Every served model: native (``data[0]`` is the default model's description), OpenAI (``data[].id``) and
+    KServe v1 (``models``); 503 while none is loaded."""
+    plane = current.plane()
+    body = openai.models_body(plane.states())
+    return _json(body if plane.info_of() else {**body, "status": "loading"}, 200 if plane.info_of() else 503)
 
 
 @bp.get("/v1/models/<name>")
 def model(name: str) -> Response:
-    """OpenAI's model retrieve and KServe v1's model readiness (``ready``; 503 while loading)."""
+    """OpenAI's model retrieve and KServe v1's model readiness (``ready``; 503 while it loads)."""
     plane = current.plane()
-    model_names.resolve(plane.model_name, name)
-    if plane.info is None:
-        return _json({"id": name, "name": name, "object": "model", "ready": False, "error": "model loading"}, 503)
+    target = model_names.resolve(plane.served, name)
+    if plane.info_of(target.model) is None:
+        return _json({"id": name, "name": name, "object": "model", "ready": False,
+                      "error": plane.not_ready_reason(target.model)}, 503)
     return _json({**openai.model_card(name), "name": name, "ready": True})
 
 
@@ -124,8 +133,8 @@ def healthz() -> Response:
 @bp.get("/readyz")
 def readyz() -> Response:
     plane = current.plane()
-    if plane.info is not None:
-        return _json({"status": "ready", "pid": os.getpid(), "model": plane.info.name})
+    if plane.runner.ready:
+        return _json({"status": "ready", "pid": os.getpid(), "model": plane.model_name, "models": list(plane.served)})
     return _json({"status": "not_ready", "pid": os.getpid(), "reason": plane.not_ready_reason()}, 503)
 
 

@@ -20,11 +20,11 @@ from service.pipeline.requests import DEFAULT_TOP_K, ImageRef, InferenceRequest
 from service.pipeline.text_options import TASK_FIELDS, parse_text_options
 from service.settings import Settings
 
-OPTION_FIELDS = ("top_k", "normalize", "partial")
+OPTION_FIELDS = ("top_k", "normalize", "partial", "model")
 _DATA_URL_RE = re.compile(r"^data:(?P<mime>[\w.+-]+/[\w.+-]+)?(?P<params>(;[\w.+-]+=[\w.+-]+)*)"
                           r"(?P<b64>;base64)?,", re.IGNORECASE)
 _LABEL_MAX = 200
-TEXT_FORM_FIELDS = ("template", "query")  # form fields that stay strings
+TEXT_FORM_FIELDS = ("template", "query", "model")  # form fields that stay strings
 
 def parse_json(body: bytes, settings: Settings, task: str = "embeddings") -> InferenceRequest:
     """``{"images": [...], "top_k": 5, "normalize": true, "partial": false}`` → request; ``task``'s text
@@ -188,4 +188,9 @@ def request_options(doc: Mapping[str, Any], settings: Settings, task: str = "emb
         if not isinstance(value, bool):
             raise RequestError(f"{name} must be true or false; got {value!r}")
         out[name] = value
+    model = doc.get("model")
+    if model is not None:
+        if not isinstance(model, str) or not model.strip():
+            raise RequestError(f"model must be a served model's name (GET /v1/models lists them); got {model!r}")
+        out["model"] = model.strip()
     return out

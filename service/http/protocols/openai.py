@@ -46,14 +46,17 @@ def is_openai(doc: Mapping[str, Any]) -> bool:
     return "input" in doc
 
 
-def parse(doc: Mapping[str, Any], settings: Settings, info: ModelInfo | None,
-          name: str) -> tuple[InferenceRequest, Options]:
+def parse(doc: Mapping[str, Any], settings: Settings,
+          models: Mapping[str, ModelInfo | None]) -> tuple[InferenceRequest, Options]:
+    """OpenAI's body; ``models``: the served models' facts by name (None while one loads), the default first."""
     unknown = sorted(set(doc) - set(FIELDS))
     if "images" in doc or "texts" in doc:
         raise RequestError('send "input" (OpenAI) or "images"/"texts" (native), not both')
     if unknown:
         raise RequestError(f"unknown field(s) {', '.join(map(repr, unknown))}; allowed: {', '.join(FIELDS)}")
-    model_names.resolve(name, doc.get("model", name))  # either name embeds; anything else is 404
+    default = next(iter(models))
+    model = model_names.resolve(list(models), doc.get("model", default)).model  # either name embeds; else 404
+    info = models[model]
     encoding = doc.get("encoding_format", "float")
     if encoding not in ENCODINGS:
         raise RequestError(f"encoding_format must be one of {', '.join(ENCODINGS)}; got {encoding!r}")
@@ -67,10 +70,10 @@ def parse(doc: Mapping[str, Any], settings: Settings, info: ModelInfo | None,
     if texts is not None:
         text = parse_text_options({"texts": texts, **{k: doc[k] for k in ("truncate",) if k in doc}},
                                   "embeddings", settings)
-        return InferenceRequest((), **options, text=text), Options(encoding)
+        return InferenceRequest((), **options, text=text, model=model), Options(encoding)
     check_count(len(items), settings)
     refs = tuple(_image_ref(i, item, settings) for i, item in enumerate(items))
-    return InferenceRequest(refs, **options), Options(encoding)
+    return InferenceRequest(refs, **options, model=model), Options(encoding)
 
 
 def _items(value: Any) -> list[Any]:
@@ -164,7 +167,13 @@ def model_card(model_id: str) -> dict[str, Any]:
     return {"id": model_id, "object": "model", "created": CREATED, "owned_by": "greenserve"}
 
 
-def models_body(info: ModelInfo) -> dict[str, Any]:
-    """Native (``data[0]`` describes the model), OpenAI (``data[].id``) and KServe v1 (``models``)."""
-    public, ids = info.public(), model_names.names(info.name, info.tasks)
-    return {"object": "list", "models": ids, "data": [{**public, **model_card(model_id), "ready": True} for model_id in ids]}
+def models_body(models: Mapping[str, tuple[str, ModelInfo | None, str]]) -> dict[str, Any]:
+    """Native (``data[0]`` describes the default model), OpenAI (``data[].id``) and KServe v1 (``models``), for
+    ``models``: each served name's (configured model, facts once loaded, state: ready | loading | failed)."""
+    data, ids = [], []
+    for name, (spec, info, state) in models.items():
+        public = {**info.public(), "name": name, "model": info.name} if info else {"name": name, "model": spec}
+        names = model_names.names(name, info.tasks) if info else [name]
+        ids += names
+        data += [{**public, **model_card(model_id), "ready": state == "ready", "state": state} for model_id in names]
+    return {"object": "list", "models": ids, "data": data}

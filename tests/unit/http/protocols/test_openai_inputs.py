@@ -19,7 +19,7 @@ RESNET = ModelInfo("resnet", ("embeddings", "classify"), 4, ("a", "b"), "cpu", "
 
 
 def parse(info: ModelInfo, **doc: Any) -> Any:
-    req, _ = openai.parse({"model": info.name, **doc}, SETTINGS, info, info.name)
+    req, _ = openai.parse({"model": info.name, **doc}, SETTINGS, {info.name: info})
     return req
 
 
