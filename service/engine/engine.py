@@ -54,7 +54,7 @@ class Engine:
 
     @property
     def ready(self) -> bool:
-        return bool(self._ready.is_set())
+        return self.model is not None and bool(self._ready.is_set())
 
     @property
     def info(self) -> ModelInfo | None:

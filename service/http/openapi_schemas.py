@@ -183,8 +183,9 @@ def _model_card() -> Schema:
                     ("requested", "chosen", "hardware", "reason", "min_cosine", "min_speedup", "towers"),
                     description="GREENSERVE_DTYPE and what each tower chose on this worker's hardware, and why")
     properties = {
-        "id": string, "object": {"const": "model"}, "created": _integer(), "owned_by": string, "ready": {"const": True},
-        "state": {"const": "ready"}, "name": string, "model": string, "family": string, "towers": {"type": "array", "items": {"enum": ["image", "text"]}},
+        "id": string, "object": {"const": "model"}, "created": _integer(), "owned_by": string,
+        "ready": {"const": True}, "state": {"const": "ready"}, "name": string, "model": string, "family": string,
+        "towers": {"type": "array", "items": {"enum": ["image", "text"]}},
         "tasks": {"type": "array", "items": {"enum": list(TASKS)}}, "embedding_dim": {"type": ["integer", "null"]},
         "labels_count": _integer(), "device": string, "dtype": string, "weights": string, "format": string,
         "input": size, "preprocessing": preprocessing, "load_seconds": {"type": "number", "minimum": 0}, "text": text,

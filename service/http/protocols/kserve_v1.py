@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
 
 from flask import Blueprint, Response
@@ -50,10 +51,10 @@ def alive() -> Response:
 @bp.post("/v1/models/<name>:predict")
 def predict(name: str) -> Response:
     with current.busy() as plane:
-        task = model_names.resolve(plane.model_name, name).task
-        req = plane.parse_body(read_body(), parse_request, plane.settings)
-        body = current.run(req, task)
-    return current.json_response({"predictions": predictions(body, task)})
+        target = model_names.resolve(plane.served, name)
+        req = replace(plane.parse_body(read_body(), parse_request, plane.settings), model=target.model)
+        body = current.run(req, target.task)
+    return current.json_response({"predictions": predictions(body, target.task)})
 
 
 def parse_request(raw: bytes, settings: Settings) -> InferenceRequest:

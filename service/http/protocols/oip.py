@@ -13,6 +13,7 @@ from __future__ import annotations
 import gzip
 import os
 import re
+from dataclasses import replace
 from importlib.metadata import PackageNotFoundError, version
 
 import orjson
@@ -59,7 +60,7 @@ def live() -> Response:
 @bp.get("/v2/health/ready")
 def ready() -> Response:
     plane = current.plane()
-    if plane.info is not None:
+    if plane.runner.ready:
         return current.json_response({"ready": True})
     return current.json_response({"ready": False, "error": plane.not_ready_reason()}, 503)
 
@@ -67,15 +68,15 @@ def ready() -> Response:
 @bp.get("/v2/models")
 def models() -> Response:
     """KServe's list: the model names (readiness is /v2/models/<m>/ready)."""
-    return current.json_response({"models": [current.plane().model_name]})
+    return current.json_response({"models": list(current.plane().served)})
 
 
 @bp.post("/v2/repository/index")
 def repository_index() -> Response:
-    """Read-only: this server serves its one model; loading and unloading are not offered."""
-    plane = current.plane()
-    return current.json_response([{"name": plane.model_name, "version": VERSION,
-                                   "state": "READY" if plane.info else "LOADING"}])
+    """Every served model and its state on this worker."""
+    states = {"ready": "READY", "loading": "LOADING", "failed": "UNAVAILABLE"}
+    return current.json_response([{"name": name, "version": VERSION, "state": states[state]}
+                                  for name, (_, _, state) in current.plane().states().items()])
 
 
 @bp.get(_MODEL + "/ready")
@@ -83,8 +84,8 @@ def repository_index() -> Response:
 def model_ready(name: str, version: str | None = None) -> Response:
     plane = current.plane()
     _check_model(plane, name, version)
-    ok = plane.info is not None
-    return current.json_response({"name": name, "ready": ok, **({} if ok else {"error": "model loading"})},
+    ok = plane.info_of(name) is not None
+    return current.json_response({"name": name, "ready": ok, **({} if ok else {"error": plane.not_ready_reason(name)})},
                                  200 if ok else 503)
 
 
@@ -93,7 +94,7 @@ def model_ready(name: str, version: str | None = None) -> Response:
 def model_metadata(name: str, version: str | None = None) -> Response:
     plane = current.plane()
     _check_model(plane, name, version)
-    info = plane.require_info()
+    info = plane.require_info(name)
     outputs = [{"name": n, "datatype": "FP32", "shape": [-1, dim]} for n, dim in _outputs(info)]
     return current.json_response({"name": name, "versions": [VERSION], "platform": _platform(info),
                                   "inputs": [{"name": wire.INPUT, "datatype": "BYTES", "shape": [-1, 1]}],
@@ -106,7 +107,7 @@ def model_config(name: str, version: str | None = None) -> Response:
     """The JSON form of Triton's ModelConfig, for clients that size their batches from it."""
     plane = current.plane()
     _check_model(plane, name, version)
-    info = plane.require_info()
+    info = plane.require_info(name)
     s = plane.settings
     outputs = [{"name": n, "data_type": "TYPE_FP32", "dims": [dim], "label_filename": ""} for n, dim in _outputs(info)]
     return current.json_response({
@@ -122,12 +123,14 @@ def model_config(name: str, version: str | None = None) -> Response:
 @bp.get(_MODEL + "/stats")
 @bp.get(_VERSIONED + "/stats")
 def statistics(name: str | None = None, version: str | None = None) -> Response:
-    """Triton's inference statistics for the one model (``/v2/models/stats``: every model, so that one)."""
+    """Triton's inference statistics (``/v2/models/stats``: every model). The counters are the server's, not yet
+    counted per model: each model's entry reads them all."""
     plane = current.plane()
     if name is not None:
         _check_model(plane, name, version)
-    entry = oip_stats.model_stats(metrics.samples(), name or plane.model_name, VERSION)
-    return current.json_response({"model_stats": [entry]})
+    samples = metrics.samples()
+    return current.json_response({"model_stats": [oip_stats.model_stats(samples, model, VERSION)
+                                                  for model in ([name] if name else plane.served)]})
 
 
 @bp.post(_MODEL + "/infer")
@@ -135,9 +138,9 @@ def statistics(name: str | None = None, version: str | None = None) -> Response:
 def infer(name: str, version: str | None = None) -> Response:
     with current.busy() as plane:
         _check_model(plane, name, version)
-        info = plane.require_info()
+        info = plane.require_info(name)
         call = _parse(plane, [n for n, _ in _outputs(info)])
-        rows = current.run_rows(call.request, call.tasks, timeout_s=call.timeout_s)
+        rows = current.run_rows(replace(call.request, model=name), call.tasks, timeout_s=call.timeout_s)
     outputs, chunks = wire.encode_outputs(call, rows.rows, rows.info.labels)
     doc = {"model_name": name, "model_version": VERSION, **({"id": call.id} if call.id is not None else {}),
            "parameters": {"request_id": current.context().request_id, "worker_pid": os.getpid()}, "outputs": outputs}
@@ -162,7 +165,7 @@ def _compressed(body: bytes, mimetype: str, headers: dict[str, str]) -> Response
 
 
 def _check_model(plane: DataPlane, name: str, version: str | None) -> None:
-    model_names.resolve_plain(plane.model_name, name)
+    model_names.resolve_plain(plane.served, name)
     if version not in (None, VERSION):
         raise NotFound(f"Request for unknown model version: {name!r} version {version!r}; the only version is "
                        f"{VERSION}", code="model_not_found")

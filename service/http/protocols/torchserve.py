@@ -19,6 +19,7 @@ import os
 import re
 import resource
 import time
+from dataclasses import replace
 from typing import Any
 
 from flask import Blueprint, Response, request
@@ -69,8 +70,8 @@ SURFACE = Surface("torchserve", re.compile(r"^/(ping|predictions|models)(/|$)"),
 
 @bp.get("/ping")
 def ping() -> Response:
-    """TorchServe's health check is model readiness: this worker's model is loaded."""
-    if current.plane().info is not None:
+    """TorchServe's health check is model readiness: this worker's models are loaded."""
+    if current.plane().runner.ready:
         return current.json_response({"status": "Healthy"})
     return current.json_response({"status": "Unhealthy"}, 500)
 
@@ -79,9 +80,10 @@ def ping() -> Response:
 @bp.route("/predictions/<name>/<version>", methods=["POST", "PUT"])
 def predict(name: str, version: str | None = None) -> Response:
     with current.busy() as plane:
-        task = model_names.resolve(plane.model_name, name).task
+        target = model_names.resolve(plane.served, name)
+        task = target.task
         _check_version(name, version)
-        req = parse_request(plane.settings)
+        req = replace(parse_request(plane.settings), model=target.model)
         body = current.run(req, task)
     answers = [item["embedding"] if task == "embeddings" else postprocess.label_scores(item["labels"]) for item in body["data"]]
     return current.json_response(answers[0] if len(answers) == 1 else answers)
@@ -139,13 +141,15 @@ def _check_version(name: str, version: str | None) -> None:
 
 @bp.get("/models")
 def list_models() -> Response:
-    """``{"models": [{"modelName", "modelUrl"}]}``: the classifier and ``<m>-embedding`` (only the first
-    while the model loads, when what it provides is not known yet)."""
+    """``{"models": [{"modelName", "modelUrl"}]}``: each model's classifier and ``<m>-embedding`` (only the first
+    while it loads, when what it provides is not known yet)."""
     plane = current.plane()
-    info = plane.info
-    names = model_names.names(info.name, info.tasks) if info else [plane.model_name]
-    url = info.weights if info else plane.settings.weights
-    return current.json_response({"models": [{"modelName": n, "modelUrl": url} for n in names]})
+    models = []
+    for served, engine in plane.runner.engines.items():
+        info = engine.info
+        url = info.weights if info else engine.spec.weights
+        models += [{"modelName": n, "modelUrl": url} for n in (model_names.names(served, info.tasks) if info else [served])]
+    return current.json_response({"models": models})
 
 
 @bp.get("/models/<name>")
@@ -153,27 +157,27 @@ def list_models() -> Response:
 def describe_model(name: str, version: str | None = None) -> Response:
     """TorchServe's description (a list of one): this worker's view, as each worker answers for itself."""
     plane = current.plane()
-    model_names.resolve(plane.model_name, name)
+    target = model_names.resolve(plane.served, name)
     _check_version(name, None if version == "all" else version)
-    return current.json_response([description(plane, name)])
+    return current.json_response([description(plane, name, target.model)])
 
 
-def description(plane: DataPlane, name: str) -> dict[str, Any]:
+def description(plane: DataPlane, name: str, model: str | None = None) -> dict[str, Any]:
     """``pendingRequests`` counts images (greenserve admits and batches images, TorchServe requests)."""
     s = plane.settings
-    info = plane.info
+    info = plane.info_of(model)
     admitted = plane.runner.admitted()
     return {"modelName": name, "modelVersion": MODEL_VERSION, "modelUrl": info.weights if info else s.weights,
             "engine": "greenserve", "runtime": "python", "minWorkers": s.workers, "maxWorkers": s.workers,
             "batchSize": s.max_batch, "maxBatchDelay": s.max_batch_wait_ms, "responseTimeout": s.request_timeout_s,
-            "loadedAtStartup": True, "workers": [_worker(plane)],
+            "loadedAtStartup": True, "workers": [_worker(plane, model)],
             "jobQueueStatus": {"remainingCapacity": max(0, s.max_queue_images - admitted),
                                "pendingRequests": admitted}}
 
 
-def _worker(plane: DataPlane) -> dict[str, Any]:
-    info = plane.info
-    status = "READY" if info else "FAILED" if plane.runner.load_error else "STARTING"
+def _worker(plane: DataPlane, model: str | None = None) -> dict[str, Any]:
+    info = plane.info_of(model)
+    status = "READY" if info else "FAILED" if plane.runner.engine(model).load_error else "STARTING"
     device = info.device if info else plane.settings.device
     peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB: the peak, in bytes
     return {"id": str(os.getpid()), "startTime": STARTED, "status": status, "memoryUsage": peak_rss,
