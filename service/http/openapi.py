@@ -71,17 +71,18 @@ bp = Blueprint("openapi", __name__)
 @bp.get("/openapi.json")
 def document() -> Response:
     plane = current.plane()
-    return Response(_encoded(plane.settings, plane.info), mimetype="application/json")
+    return Response(_encoded(plane.settings, plane.info, plane.model_name), mimetype="application/json")
 
 
 @functools.lru_cache(maxsize=8)
-def _encoded(settings: Settings, info: ModelInfo | None) -> bytes:
-    return orjson.dumps(build(settings, info))
+def _encoded(settings: Settings, info: ModelInfo | None, model: str) -> bytes:
+    return orjson.dumps(build(settings, info, model))
 
 
-def build(settings: Settings, info: ModelInfo | None = None) -> dict[str, Any]:
-    """The document for a server running with ``settings``, serving ``info`` (None while it loads)."""
-    model = model_names.served_name(info, settings.model)  # the name requests must use
+def build(settings: Settings, info: ModelInfo | None = None, model: str | None = None) -> dict[str, Any]:
+    """The document for a server running with ``settings``, whose default model is served as ``model`` (its
+    facts ``info``, None while it loads)."""
+    model = model or model_names.served_name(info, settings.model)  # the name requests must use
     dim = info.embedding_dim if info else None
     doc: dict[str, Any] = {
         "openapi": OPENAPI_VERSION,
