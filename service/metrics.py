@@ -49,6 +49,10 @@ CALLER_REQUESTS = Counter("greenserve_caller_requests_total", "Requests by how t
                           "caller class: token, header, forwarded, address), never by caller", ["source"])
 CALLERS_TRACKED = Gauge("greenserve_callers_tracked", "Callers a worker keeps anything of (admitted work, or among the "
                         "last few admitted): bounded whatever the number of callers", multiprocess_mode="livesum")
+TOWER_LOADS = Counter("greenserve_tower_loads_total", "Towers loaded again after an unload (or first loaded, lazy)",
+                      ["model", "tower"])
+TOWER_UNLOADS = Counter("greenserve_tower_unloads_total", "Towers unloaded (lazy at start, or idle past their TTL)",
+                        ["model", "tower"])
 INTERJECTED = Counter("greenserve_interjected_images_total", "Images of one caller run between the blocks of a "
                       "forward of another's, instead of after it")
 LAST_FORWARD = Gauge("greenserve_last_forward_timestamp_seconds", "When a worker last ran an image batch (Unix "

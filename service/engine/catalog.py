@@ -2,20 +2,27 @@
 
     GREENSERVE_MODELS=search=open_clip:ViT-B-32@laion2b_s34b_b79k,labels=resnet50@/srv/weights/resnet50.pt
 
-Each entry is ``name=model[@weights]`` (weights default to ``GREENSERVE_WEIGHTS``); the first is the default, the
-model a request without a model name goes to. A list in one variable, rather than a file, because that is what a
-systemd unit, a container and a Kubernetes manifest pass most easily, and one line per model says all a model
-needs. Names are what every protocol routes by (``http.model_names``).
+Each entry is ``name=model[@weights][;image=R][;text=R]`` (weights default to ``GREENSERVE_WEIGHTS``; R a tower's
+residency, ``residency.Residency``: pinned, lazy or ttl:<seconds>); the first is the default, the model a request
+without a model name goes to. Without a residency, a text tower is pinned (searches never wait for a load) and an
+image tower unloads after 15 idle minutes (a backfill's tower gives its memory back between runs).
+
+A list in one variable, rather than a file, because that is what a systemd unit, a container and a Kubernetes
+manifest pass most easily, and one line per model says all a model needs. Names are what every protocol routes
+by (``http.model_names``).
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from service.engine.residency import PINNED, TTL, Residency
 from service.settings import Settings, SettingsError
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,63}$")
+TOWERS = ("image", "text")
+DEFAULT_RESIDENCY = {"image": Residency(TTL, 900.0), "text": Residency(PINNED)}
 
 
 @dataclass(frozen=True)
@@ -23,6 +30,7 @@ class ModelSpec:
     name: str  # what requests call it
     model: str  # a GREENSERVE_MODEL value: resnet50, open_clip:ViT-B-32, timm:convnext_tiny
     weights: str  # a GREENSERVE_WEIGHTS value
+    residency: dict[str, Residency] = field(default_factory=lambda: dict(DEFAULT_RESIDENCY))  # per tower
 
 
 def default_name(model: str) -> str:
@@ -45,9 +53,19 @@ def model_set(settings: Settings) -> tuple[ModelSpec, ...]:
 
 
 def _entry(text: str, weights: str) -> ModelSpec:
-    name, sep, rest = text.partition("=")
+    head, *options = text.split(";")
+    name, sep, rest = head.partition("=")
     model, _, own_weights = rest.partition("@")
     if not sep or not _NAME_RE.match(name.strip()) or not model.strip():
         raise SettingsError(f"GREENSERVE_MODELS entry {text!r} is not name=model[@weights] (a name of letters, "
                             "digits, '.', '_', ':', '-'), e.g. search=open_clip:ViT-B-32@laion2b_s34b_b79k")
-    return ModelSpec(name.strip(), model.strip(), own_weights.strip() or weights)
+    residency = dict(DEFAULT_RESIDENCY)
+    for option in options:
+        tower, _, value = option.partition("=")
+        try:
+            if tower.strip() not in TOWERS:
+                raise ValueError(f"{tower.strip()!r} is not a tower ({', '.join(TOWERS)})")
+            residency[tower.strip()] = Residency.parse(value)
+        except ValueError as exc:
+            raise SettingsError(f"GREENSERVE_MODELS entry {text!r}: {exc}; e.g. ;image=ttl:600;text=pinned") from None
+    return ModelSpec(name.strip(), model.strip(), own_weights.strip() or weights, residency)

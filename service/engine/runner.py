@@ -15,11 +15,14 @@ The order in which work moves through a worker is ``scheduling``'s; how many cor
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import replace
+from pathlib import Path
 from typing import Any, TypeVar, cast
 
 import gevent
@@ -35,7 +38,9 @@ from service.engine.cores import CorePlan, Siblings, lower_priority
 from service.engine.engine import Engine, Model
 from service.engine.forwarding import BatchStats
 from service.engine.preemption import Preemption
+from service.engine.residency import Residency, Tower, Towers
 from service.engine.scheduling import Admission, Limits, Scheduler, Signals
+from service.engine.towers import TowerFile, tower_files
 from service.engine.types import BatchOutputs, EncodedJpeg, ModelInfo, Tokens
 from service.errors import GreenserveError
 from service.settings import Settings
@@ -64,6 +69,9 @@ class Runner:
         self._infer_pool = ThreadPool(1)  # the worker-local lock: one native thread touches the models
         self._decode_pool = ThreadPool(settings.decode_threads_per_worker())
         self._spare_decode = ThreadPool(1)  # a caller's first image while every decode thread is another's
+        self._loader_pool = ThreadPool(1)  # towers loaded again and unloaded, beside the inference thread
+        self.towers = Towers(self._loader_pool)
+        self._tower_dir = Path(settings.cache_directory()) / "towers"
         # below the hub (HTTP, health checks) come the model, then decode: see ``cores.lower_priority``
         self._inference_nice = settings.compute_nice // 2
         self.cores = CorePlan(settings, cores or len(os.sched_getaffinity(0)), siblings)
@@ -118,6 +126,20 @@ class Runner:
                  info.name, info.weights, info.device, info.dtype, info.embedding_dim, len(info.labels),
                  info.load_seconds)
         engine.loaded(model)
+        for tower, file in tower_files(model, self._tower_dir).items():
+            self.towers.add(Tower(engine.name, tower, engine.spec.residency.get(tower, Residency()),
+                                  functools.partial(self._reload, engine, tower, file), file.unload, info.load_seconds))
+
+    def _reload(self, engine: Engine, tower: str, file: TowerFile) -> None:
+        """In the loader thread: a tower's tensors mapped back, and one forward through it (first-call costs)."""
+        lower_priority(self._inference_nice)
+        file.load()
+        model = cast(Any, engine.model)
+        if tower == "image":
+            crop = model.info.transform.crop_size
+            model.forward(np.zeros((1, crop, crop, 3), np.uint8))
+        else:
+            model.encode_text(model.tokenize(["a photo."]).ids)
 
     def _load_in_thread(self, loader: Callable[[], Model]) -> Model:
         lower_priority(self._inference_nice)  # before torch starts its threads: they inherit it
@@ -136,9 +158,10 @@ class Runner:
         ``std::terminate``: "terminate called without an active exception" and SIGABRT (pytorch#38228)."""
         self.batcher.stop()
         self.text_batcher.stop()
+        self.towers.stop()
         if self._loading is not None:
             self._loading.kill()  # a load not begun never starts; one in its thread goes on (waited for below)
-        pools = (self._infer_pool, self._decode_pool, self._spare_decode)
+        pools = (self._infer_pool, self._decode_pool, self._spare_decode, self._loader_pool)
         with gevent.Timeout(timeout_s, False):
             while any(pool.size or len(pool) for pool in pools):  # again if a greenlet queued more meanwhile
                 for pool in pools:
@@ -176,11 +199,16 @@ class Runner:
 
     @contextlib.contextmanager
     def admit(self, n_images: int, *, coming: int | None = None, arrived: float | None = None,
-              caller: str = "", streamed: bool = False, model: str | None = None) -> Iterator[Admission]:
-        """Reserve queue slots for a request to ``model`` (the default without one): 503 while it loads."""
+              caller: str = "", streamed: bool = False, model: str | None = None, towers: tuple[str, ...] = (),
+              deadline: float | None = None) -> Iterator[Admission]:
+        """Reserve queue slots for a request to ``model`` (the default without one) once the ``towers`` it needs
+        are in memory (``residency``): 503 while it loads, or when a tower cannot be back by ``deadline``."""
         engine = self.engine(model)
-        with self.scheduling.admit(n_images, coming=coming, arrived=arrived, caller=caller, ready=engine.ready,
-                                   streamed=streamed, model=engine.name) as admission:
+        if engine.ready:
+            self.towers.ensure(engine.name, towers, deadline or time.monotonic() + self.settings.request_timeout_s)
+        with self.towers.using(engine.name, towers), \
+                self.scheduling.admit(n_images, coming=coming, arrived=arrived, caller=caller, ready=engine.ready,
+                                      streamed=streamed, model=engine.name) as admission:
             yield admission
 
     def wait_to_fetch(self, admission: Admission) -> None:

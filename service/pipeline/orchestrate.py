@@ -138,8 +138,10 @@ class Orchestrator:
         outcomes: dict[int, Row | ImageError] = {r.index: r.error for r in req.refs if r.error is not None}
         if outcomes and not req.partial:
             self._fail(req, outcomes)  # refused at parsing: no work is worth starting
+        towers = ("image", "text") if req.text.prompts else ("image",)
         with self.runner.admit(len(req.refs), coming=len(req.refs) - len(outcomes), arrived=spans.started,
-                               caller=caller, streamed=progress is not None, model=req.model) as admission:
+                               caller=caller, streamed=progress is not None, model=req.model, towers=towers,
+                               deadline=deadline) as admission:
             info = self.runner.engine(req.model).info
             assert info is not None  # admitted: the model is ready
             if progress is not None:
@@ -170,7 +172,7 @@ class Orchestrator:
         spans = Spans()
         texts = req.text.texts
         with self.runner.admit(text_slots(len(texts)), coming=0, arrived=spans.started, caller=caller,
-                               model=req.model) as admission:
+                               model=req.model, towers=("text",), deadline=deadline) as admission:
             if progress is not None:
                 progress.admitted()
             with _deadline_timeout(deadline, "texts"):

@@ -1,0 +1,155 @@
+"""Which towers of a worker's models are in memory: pinned (loaded at start, never unloaded), lazy (loaded on
+first use), or with an idle TTL (unloaded after it, loaded again on demand).
+
+A request waits at admission for the towers it needs (``ensure``), within its deadline: past it, 503
+``not_ready`` with the expected load time as Retry-After. While admitted it holds them (``using``), so a tower
+is only unloaded with nothing in flight. Loads and unloads run in the worker's loader thread: the inference
+thread goes on with the other towers' forwards meanwhile (a search on a pinned text tower while an image
+tower comes back). Why these defaults (a CLIP text tower pinned, image towers with a TTL): docs/MODELS.md.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import re
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import gevent
+from gevent.event import Event
+from gevent.threadpool import ThreadPool
+
+from service import metrics
+from service.errors import Overloaded
+
+log = logging.getLogger(__name__)
+PINNED, LAZY, TTL = "pinned", "lazy", "ttl"
+_TTL_RE = re.compile(r"^ttl:(\d+(?:\.\d+)?)(s|m|h)?$")
+_UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, None: 1.0}
+REAP_EVERY_S = (1.0, 30.0)  # the TTL sweep runs every quarter TTL, within these bounds
+
+
+@dataclass(frozen=True)
+class Residency:
+    kind: str = PINNED
+    ttl_s: float = 0.0
+
+    @classmethod
+    def parse(cls, text: str) -> Residency:
+        """``pinned``, ``lazy`` or ``ttl:<seconds>`` (``ttl:600``, ``ttl:10m``, ``ttl:1h``)."""
+        text = text.strip().lower()
+        if text in (PINNED, LAZY):
+            return cls(text)
+        if m := _TTL_RE.match(text):
+            return cls(TTL, float(m.group(1)) * _UNITS[m.group(2)])
+        raise ValueError(f"{text!r} is not pinned, lazy or ttl:<seconds> (ttl:600, ttl:10m)")
+
+
+class Tower:
+    """One tower's residency (the hub's state): whether it is in memory, and who uses it."""
+
+    def __init__(self, model: str, name: str, residency: Residency, load: Callable[[], None],
+                 unload: Callable[[], int], load_s: float) -> None:
+        self.model, self.name, self.residency = model, name, residency
+        self._load, self._unload = load, unload
+        self.resident = Event()
+        self.resident.set()  # built with its model; a lazy tower is unloaded right after (``Towers.add``)
+        self.busy = 0
+        self.last_used = time.monotonic()
+        self.load_s = max(load_s, 0.1)  # the expected reload time (refined by each reload)
+        self.changing: gevent.Greenlet | None = None
+        self.error: BaseException | None = None
+
+
+class Towers:
+    """Every tower of a worker's models, loaded and unloaded in ``pool`` (the worker's loader thread)."""
+
+    def __init__(self, pool: ThreadPool) -> None:
+        self._pool = pool
+        self._towers: dict[tuple[str, str], Tower] = {}
+        self._reaper: gevent.Greenlet | None = None
+
+    def add(self, tower: Tower) -> None:
+        self._towers[(tower.model, tower.name)] = tower
+        if tower.residency.kind == LAZY:
+            self._change(tower, load=False)
+        if tower.residency.kind == TTL and self._reaper is None:
+            self._reaper = gevent.spawn(self._reap_forever)
+
+    def state(self, model: str, name: str) -> str:
+        tower = self._towers.get((model, name))
+        return "resident" if tower is None or tower.resident.is_set() else "unloaded"
+
+    def ensure(self, model: str, names: tuple[str, ...], deadline: float) -> None:
+        """Until the towers ``model`` needs are in memory, loading those that are not; 503 past ``deadline``."""
+        for name in names:
+            tower = self._towers.get((model, name))
+            while tower is not None and not tower.resident.is_set():
+                left = deadline - time.monotonic()
+                if left <= 0 or tower.error is not None:
+                    why = f"failed to load ({tower.error})" if tower.error else "is loading on this worker"
+                    raise Overloaded(f"the {name} tower of {model!r} {why}; retry shortly",
+                                     retry_after_s=tower.load_s, code="not_ready")
+                if tower.changing is None:
+                    self._change(tower, load=True)
+                assert tower.changing is not None
+                tower.changing.join(timeout=left)  # an unload under way ends first, then it loads
+
+    @contextlib.contextmanager
+    def using(self, model: str, names: tuple[str, ...]) -> Iterator[None]:
+        """While a request holds its towers: none of them is unloaded."""
+        held = [t for name in names if (t := self._towers.get((model, name))) is not None]
+        for tower in held:
+            tower.busy += 1
+        try:
+            yield
+        finally:
+            now = time.monotonic()
+            for tower in held:
+                tower.busy -= 1
+                tower.last_used = now
+
+    def stop(self) -> None:
+        if self._reaper is not None:
+            self._reaper.kill()
+
+    def _reap_forever(self) -> None:
+        while True:
+            ttls = [t.residency.ttl_s for t in self._towers.values() if t.residency.kind == TTL]
+            gevent.sleep(min(max(min(ttls) / 4, REAP_EVERY_S[0]), REAP_EVERY_S[1]))
+            now = time.monotonic()
+            for tower in self._towers.values():
+                if (tower.residency.kind == TTL and tower.resident.is_set() and not tower.busy
+                        and tower.changing is None and now - tower.last_used >= tower.residency.ttl_s):
+                    self._change(tower, load=False)
+
+    def _change(self, tower: Tower, *, load: bool) -> None:
+        if not load:
+            tower.resident.clear()  # from now on a request waits for it to come back
+        tower.error = None
+        tower.changing = gevent.spawn(self._run_change, tower, load)
+
+    def _run_change(self, tower: Tower, load: bool) -> None:
+        started = time.monotonic()
+        try:
+            if load:
+                self._pool.apply(tower._load)
+                tower.load_s = time.monotonic() - started
+                tower.resident.set()
+                metrics.TOWER_LOADS.labels(tower.model, tower.name).inc()
+                log.info("%s: %s tower loaded again in %.2fs", tower.model, tower.name, tower.load_s)
+            else:
+                freed = self._pool.apply(tower._unload)
+                metrics.TOWER_UNLOADS.labels(tower.model, tower.name).inc()
+                log.info("%s: %s tower unloaded (%s, %.0f MB)", tower.model, tower.name, tower.residency.kind,
+                         freed / 1e6)
+        except gevent.GreenletExit:
+            raise
+        except Exception as exc:  # a tower that cannot come back fails its requests, loudly, once each
+            tower.error = exc
+            log.error("%s: the %s tower failed to %s: %s", tower.model, tower.name, "load" if load else "unload",
+                      exc, exc_info=True)
+        finally:
+            tower.changing = None
