@@ -29,6 +29,7 @@ PINNED, LAZY, TTL = "pinned", "lazy", "ttl"
 _TTL_RE = re.compile(r"^ttl:(\d+(?:\.\d+)?)(s|m|h)?$")
 _UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, None: 1.0}
 REAP_EVERY_S = (1.0, 30.0)  # the TTL sweep runs every quarter TTL, within these bounds
+RETRY_LOAD_S = 5.0  # after a failed load, requests get 503 for this long before one tries again
 
 
 @dataclass(frozen=True)
@@ -61,6 +62,7 @@ class Tower:
         self.load_s = max(load_s, 0.1)  # the expected reload time (refined by each reload)
         self.changing: gevent.Greenlet | None = None
         self.error: BaseException | None = None
+        self.failed_at = 0.0
 
 
 class Towers:
@@ -88,7 +90,8 @@ class Towers:
             tower = self._towers.get((model, name))
             while tower is not None and not tower.resident.is_set():
                 left = deadline - time.monotonic()
-                if left <= 0 or tower.error is not None:
+                failed = tower.error is not None and time.monotonic() - tower.failed_at < RETRY_LOAD_S
+                if left <= 0 or failed:
                     why = f"failed to load ({tower.error})" if tower.error else "is loading on this worker"
                     raise Overloaded(f"the {name} tower of {model!r} {why}; retry shortly",
                                      retry_after_s=tower.load_s, code="not_ready")
@@ -147,9 +150,13 @@ class Towers:
                          freed / 1e6)
         except gevent.GreenletExit:
             raise
-        except Exception as exc:  # a tower that cannot come back fails its requests, loudly, once each
-            tower.error = exc
+        except Exception as exc:
             log.error("%s: the %s tower failed to %s: %s", tower.model, tower.name, "load" if load else "unload",
                       exc, exc_info=True)
+            if load:  # a tower that cannot come back fails its requests (503, saying why) until one retries
+                tower.error, tower.failed_at = exc, time.monotonic()
+            else:  # its tensors are still there (the file is written before they go): it stays, and is kept
+                tower.residency = Residency(PINNED)
+                tower.resident.set()
         finally:
             tower.changing = None
