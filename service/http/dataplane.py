@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 
 from service import metrics
 from service.balance.gate import Balance
+from service.engine.residency import PINNED, TTL, Residency
 from service.engine.runner import Runner
 from service.engine.scheduling import NOT_READY_RETRY_S
 from service.engine.types import ModelInfo
@@ -86,6 +87,13 @@ class DataPlane:
         failed)."""
         return {name: (e.spec.model, e.info, "ready" if e.ready else "failed" if e.load_error else "loading")
                 for name, e in self.runner.engines.items()}
+
+    def residency(self, model: str) -> dict[str, dict[str, str]]:
+        """Each tower of ``model``: how it stays in memory (pinned, lazy, ttl:<s>), and whether it is now."""
+        engine = self.runner.engine(model)
+        towers = engine.info.towers if engine.info else ()
+        return {tower: {"residency": _policy(engine.spec.residency.get(tower)),
+                        "state": self.runner.towers.state(engine.name, tower)} for tower in towers}
 
     def info_of(self, model: str | None = None) -> ModelInfo | None:
         """A served model's description (the default's without a name); None while it loads."""
@@ -181,6 +189,12 @@ def check_task(info: ModelInfo | None, req: InferenceRequest, task: str) -> None
 def _size(req: InferenceRequest) -> int:
     """A request's images, or its texts: what the access line counts."""
     return len(req.refs) or len(req.text.texts)
+
+
+def _policy(residency: Residency | None) -> str:
+    if residency is None or residency.kind != TTL:
+        return residency.kind if residency else PINNED
+    return f"ttl:{residency.ttl_s:g}"
 
 
 def _observe(timings_ms: dict[str, float]) -> None:

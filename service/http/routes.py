@@ -104,7 +104,7 @@ def models() -> Response:
     """Every served model: native (``data[0]`` is the default model's description), OpenAI (``data[].id``) and
     KServe v1 (``models``); 503 while none is loaded."""
     plane = current.plane()
-    body = openai.models_body(plane.states())
+    body = openai.models_body(plane.states(), {name: plane.residency(name) for name in plane.served})
     return _json(body if plane.info_of() else {**body, "status": "loading"}, 200 if plane.info_of() else 503)
 
 

@@ -167,12 +167,15 @@ def model_card(model_id: str) -> dict[str, Any]:
     return {"id": model_id, "object": "model", "created": CREATED, "owned_by": "greenserve"}
 
 
-def models_body(models: Mapping[str, tuple[str, ModelInfo | None, str]]) -> dict[str, Any]:
+def models_body(models: Mapping[str, tuple[str, ModelInfo | None, str]],
+                residency: Mapping[str, Mapping[str, Any]] | None = None) -> dict[str, Any]:
     """Native (``data[0]`` describes the default model), OpenAI (``data[].id``) and KServe v1 (``models``), for
-    ``models``: each served name's (configured model, facts once loaded, state: ready | loading | failed)."""
+    ``models``: each served name's (configured model, facts once loaded, state: ready | loading | failed), with
+    each loaded model's towers' ``residency``."""
     data, ids = [], []
     for name, (spec, info, state) in models.items():
-        public = {**info.public(), "name": name, "model": info.name} if info else {"name": name, "model": spec}
+        public = {**info.public(), "name": name, "model": info.name, "residency": (residency or {}).get(name, {})} \
+            if info else {"name": name, "model": spec}
         names = model_names.names(name, info.tasks) if info else [name]
         ids += names
         data += [{**public, **model_card(model_id), "ready": state == "ready", "state": state} for model_id in names]
