@@ -86,6 +86,10 @@ class LoadedModel:
             self._casts[tower] = TowerCast(root, skip)
         return self._casts[tower]
 
+    def forget_casts(self) -> None:
+        """Drop what the casts kept of the towers (their float32 originals): the towers are on their files now."""
+        self._casts.clear()
+
     def release_float32(self) -> None:
         """Drop the float32 originals of the towers cast once (after the dtype choice): one copy each."""
         for casting in self._casts.values():

@@ -40,7 +40,7 @@ from service.engine.forwarding import BatchStats
 from service.engine.preemption import Preemption
 from service.engine.residency import Residency, Tower, Towers
 from service.engine.scheduling import Admission, Limits, Scheduler, Signals
-from service.engine.towers import TowerFile, tower_files
+from service.engine.towers import TowerFile, give_back_freed_memory, tower_files
 from service.engine.types import BatchOutputs, EncodedJpeg, ModelInfo, Tokens
 from service.errors import GreenserveError
 from service.settings import Settings
@@ -113,7 +113,7 @@ class Runner:
 
     def _load(self, engine: Engine, loader: Callable[[], Model]) -> None:
         try:
-            model = self._infer_pool.apply(self._load_in_thread, (loader,))
+            model, files = self._infer_pool.apply(self._load_in_thread, (loader,))
         except gevent.GreenletExit:  # the worker is exiting (``close``): not a failed load
             raise
         except BaseException as exc:  # logged loudly; /readyz stays 503 and says why
@@ -126,9 +126,10 @@ class Runner:
                  info.name, info.weights, info.device, info.dtype, info.embedding_dim, len(info.labels),
                  info.load_seconds)
         engine.loaded(model)
-        for tower, file in tower_files(model, self._tower_dir).items():
+        for tower, file in files.items():
             self.towers.add(Tower(engine.name, tower, engine.spec.residency.get(tower, Residency()),
-                                  functools.partial(self._reload, engine, tower, file), file.unload, info.load_seconds))
+                                  functools.partial(self._reload, engine, tower, file),
+                                  functools.partial(_unload, file), info.load_seconds))
 
     def _reload(self, engine: Engine, tower: str, file: TowerFile) -> None:
         """In the loader thread: a tower's tensors mapped back, and one forward through it (first-call costs)."""
@@ -141,14 +142,20 @@ class Runner:
         else:
             model.encode_text(model.tokenize(["a photo."]).ids)
 
-    def _load_in_thread(self, loader: Callable[[], Model]) -> Model:
+    def _load_in_thread(self, loader: Callable[[], Model]) -> tuple[Model, dict[str, TowerFile]]:
         lower_priority(self._inference_nice)  # before torch starts its threads: they inherit it
         model = loader()
         module = getattr(model, "module", None)  # ``LoadedModel.module``; test doubles have none
         if self._preemption is not None and isinstance(module, nn.Module):
             log.debug("%d preemption points in the model", self._preemption.install(module))
+        files = tower_files(model, self._tower_dir)
+        if files and str(getattr(model, "device", "cpu")) == "cpu":  # a GPU's copy is the device's memory
+            for file in files.values():
+                file.rebase()
+            cast(Any, model).forget_casts()  # the originals the casts kept would hold the old memory
+            give_back_freed_memory()
         model.warm_up()
-        return model
+        return model, files
 
     def close(self, timeout_s: float) -> bool:
         """At the worker's exit: batch nothing more and end the native threads, waiting up to ``timeout_s``
@@ -273,6 +280,13 @@ class Runner:
         lower_priority(self._inference_nice)
         self.cores.apply(engine.model)
         return engine.forward(batch)
+
+
+def _unload(file: TowerFile) -> int:
+    """In the loader thread: the tower's tensors dropped, and what the heap freed given back."""
+    freed = file.unload()
+    give_back_freed_memory()
+    return freed
 
 
 class _Raised:

@@ -13,6 +13,7 @@ engine's residency sees to it).
 
 from __future__ import annotations
 
+import ctypes
 import os
 import tempfile
 from pathlib import Path
@@ -44,6 +45,14 @@ class TowerFile:
             for t in self._tensors.values():
                 t.data = torch.empty(0, dtype=t.dtype, device=t.device)
         return dropped
+
+    def rebase(self) -> None:
+        """Put the tower on its file now (saved if this host has none): its tensors become pages of the page
+        cache, one copy for every worker of the host, and an unload later gives them back for certain (a
+        checkpoint read whole leaves its towers as slices of one allocation that no unload could free)."""
+        if not self.path.exists():
+            self._save()
+        self.load()
 
     def load(self) -> None:
         """Map the tower's tensors back from its file."""
@@ -82,3 +91,11 @@ def tower_files(model: object, directory: Path) -> dict[str, TowerFile]:
         kind = numerics[tower].name.replace(" ", "-") if tower in numerics else "float32"
         files[tower] = TowerFile(root, skip, directory / f"{info.weights_digest}-{tower}-{kind}.pt")
     return files
+
+
+def give_back_freed_memory() -> None:
+    """Return the heap's free pages to the system (glibc keeps freed memory for reuse: without this, an unloaded
+    tower's memory stays in the process's RSS); nothing where the C library is not glibc."""
+    process = ctypes.CDLL(None)  # the symbols already loaded: no library lookup (it runs a subprocess)
+    if hasattr(process, "malloc_trim"):
+        process.malloc_trim(0)
