@@ -1,16 +1,25 @@
-# The two commands: `make serve` and `make test`. Each creates .venv and installs everything on first use.
+# The two commands: `make serve` and `make test`. Each creates .venv on first use; `make serve` installs what the
+# server runs, `make test` adds what the tests need, `make lint` the linters.
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 # The torch pair that installs together on the reference machine kind (CPU inference works with it).
 TORCH_PINS := torch==2.14.1 torchvision==0.29.1
+# Where torch comes from: the index pip is set up with (PyPI's Linux torch brings CUDA's libraries and triton,
+# 4.1 GB of a 5.4 GB runtime .venv), or https://download.pytorch.org/whl/cpu for the CPU-only build, as the
+# Containerfile does by default.
+TORCH_INDEX_URL ?=
+# One stamp per set of packages: a .venv made by `make serve` gets the tests' packages when `make test` runs.
 STAMP  := $(VENV)/.installed
+TEST_STAMP := $(VENV)/.installed-test
+LINT_STAMP := $(VENV)/.installed-lint
 
 .PHONY: serve test test-fast lint compare dtype gpu-wheels clean help readme nginx browser redis
 
 help:
-	@echo "make serve    create .venv, install, start gunicorn -k gevent on \$$GREENSERVE_BIND (127.0.0.1:8000)"
-	@echo "make test     create .venv, install, run the test suite"
+	@echo "make serve    create .venv, install the server (torch included), start gunicorn -k gevent on \$$GREENSERVE_BIND (127.0.0.1:8000)"
+	@echo "              TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu: the CPU-only torch (no CUDA libraries)"
+	@echo "make test     create .venv, install the server and the tests' packages, run the test suite"
 	@echo "make test-fast  the unit tests only: no server, no real model (about 40 s on 2 cores)"
 	@echo "make lint     ruff (lint + import order) and mypy on service/"
 	@echo "make compare  gevent vs asyncio on the seed's CLIP ViT-B/32 (QUICK=1 for a short resnet18 run; MODEL=resnet50)"
@@ -21,18 +30,28 @@ $(BIN)/python:
 	$(BIN)/pip install --quiet --upgrade pip
 
 $(STAMP): $(BIN)/python setup.cfg setup.py
-	$(BIN)/pip install --quiet $(TORCH_PINS)
-	$(BIN)/pip install --quiet -e '.[test,bench,lint]'
+	$(BIN)/pip install --quiet $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL),) $(TORCH_PINS)
+	$(BIN)/pip install --quiet -e .
 	touch $(STAMP)
 
+# the protocol clients, the benchmark tools the tests run (bench/tests) and the comparison's asyncio server
+$(TEST_STAMP): $(STAMP)
+	$(BIN)/pip install --quiet -e '.[test,bench]'
+	touch $(TEST_STAMP)
+
+$(LINT_STAMP): $(STAMP)
+	$(BIN)/pip install --quiet -e '.[lint]'
+	touch $(LINT_STAMP)
+
 serve: $(STAMP)
+	@echo "Each worker now loads $${GREENSERVE_MODEL:-resnet50}: ready once $${GREENSERVE_BIND:-127.0.0.1:8000}/readyz answers 200. The command line: $(BIN)/greenserve"
 	$(BIN)/gunicorn -c gunicorn.conf.py wsgi:app
 
-test: $(STAMP) nginx browser redis
+test: $(TEST_STAMP) nginx browser redis
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 # tests/e2e/ holds e2e tests only, so test-fast does not even import it (its clients' imports take seconds)
-test-fast: $(STAMP)
+test-fast: $(TEST_STAMP)
 	$(BIN)/python -m pytest -m "not e2e and not slow" --ignore=tests/e2e $(PYTEST_ARGS)
 
 # A real nginx for tests/e2e/test_e2e_nginx.py (which skips without one): installed when missing, as root with
@@ -62,14 +81,14 @@ redis:
 		{ apt-get update -qq >/dev/null 2>&1 && { $(APT_REDIS); }; } || \
 		echo "redis-server could not be installed: tests/e2e/test_e2e_cache_redis.py will skip"
 
-lint: $(STAMP)
+lint: $(LINT_STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 
-compare: $(STAMP)
+compare: $(TEST_STAMP)
 	$(BIN)/python -m bench.compare $(if $(QUICK),--quick,) $(if $(MODEL),--model $(MODEL),)
 
-dtype: $(STAMP)
+dtype: $(TEST_STAMP)
 	$(BIN)/python -m bench.dtype_bench $(if $(QUICK),--quick,) $(if $(MODEL),--model $(MODEL),) $(if $(DTYPES),--dtypes $(DTYPES),) $(if $(BF16),--with-pinned-bf16,)
 
 # The device machine has its own python3 with torch, torchvision, numpy, Pillow, requests and prometheus-client

@@ -87,8 +87,8 @@ def stores_alone(redis_url: str | None, repeats: int = 200, value_bytes: int = 2
     """An album's 30 lookups and 30 writes (CLIP ViT-B/32 entries: 512 float32 and their header)."""
     import lmdb
 
+    from service.cache.disk_store import DiskStore
     from service.cache.redis_store import RedisStore
-    from service.cache.stores import DiskStore
 
     rows = []
     with tempfile.TemporaryDirectory() as tmp:

@@ -3,6 +3,7 @@
     IdleFlood   n connections that each send half a request line, then nothing, until closed
     SlowLoris   keeps n connections open, a byte every ``interval_s``, reopening each one that is dropped
     probe       timed GETs of one path on fresh connections
+    damage_page garbage over one table page in the middle of a sqlite file (the disk cache's)
 
 Everything is bounded: a connection count, a deadline after which each thread stops by itself, and
 socket timeouts. Only 127.0.0.1 is ever a target. The load
@@ -12,8 +13,10 @@ they run beside is ``harness.load``.
 from __future__ import annotations
 
 import socket
+import sqlite3
 import threading
 import time
+from pathlib import Path
 
 import requests
 
@@ -124,3 +127,20 @@ def worker_pid_answering(url: str, tries: int = 40) -> set[int]:
         except requests.RequestException:
             pass
     return pids
+
+
+def damage_page(path: str | Path, page_bytes: int = 4096) -> int:
+    """Garbage over one table b-tree page in the second half of the sqlite file at ``path``, its WAL copied in
+    first, so readers find it there (what a torn write or a failing disk leaves): the page's index."""
+    db = sqlite3.connect(str(path))
+    try:
+        db.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
+    finally:
+        db.close()
+    data = Path(path).read_bytes()
+    pages = len(data) // page_bytes
+    index = next(n for n in range(pages // 2, pages) if data[n * page_bytes] == 0x0D)  # 0x0D: a table leaf
+    with open(path, "r+b") as f:
+        f.seek(index * page_bytes)
+        f.write(b"\xa5" * page_bytes)
+    return index

@@ -15,7 +15,11 @@ Serves in-memory blobs and/or a directory on 127.0.0.1. Per-request knobs in the
     encoding=E     claim Content-Encoding E without encoding the body (a lying or exotic host)
     reset=1        reset the connection (RST) instead of answering
     validators=0   send neither ETag nor Last-Modified (validators=lm: Last-Modified only)
+    etag=V         send the ETag "V" whatever the body (a host that reuses one ETag at other URLs)
     cache_control=V  send Cache-Control V (no-store, max-age=60, ...)
+
+``host.redirect(name, target)`` makes ``name`` a 302 to ``target`` from then on, whatever the query, and a
+later call moves it (a "latest" link, a CDN alias); ``cache_control=`` sends that Cache-Control with the 302.
 
 Every image goes out with a strong ETag (its content's digest) and a Last-Modified (when ``replace`` last
 set it), and a conditional GET whose If-None-Match (or, without one, If-Modified-Since) still holds gets
@@ -120,6 +124,9 @@ class _Handler(BaseHTTPRequestHandler):
                 rest = parts.query.replace(f"hops={hops}", f"hops={hops - 1}")
                 return self._plain(302, b"", {"Location": f"{parts.path}?{rest}"})
             return self._plain(302, b"", {"Location": q["redirect"]})
+        if name in host.redirects:
+            target, cache_control = host.redirects[name]
+            return self._plain(302, b"", {"Location": target, **({"Cache-Control": cache_control} if cache_control else {})})
         if q.get("endless"):
             return self._endless(q.get("ctype", "image/jpeg"))
         body = host.get(name)
@@ -167,7 +174,7 @@ class _Handler(BaseHTTPRequestHandler):
         mode = q.get("validators", "1")
         headers = {"Cache-Control": q["cache_control"]} if "cache_control" in q else {}
         if mode in ("1", "etag"):
-            headers["ETag"] = '"' + hashlib.sha256(body).hexdigest()[:20] + '"'
+            headers["ETag"] = '"' + (q.get("etag") or hashlib.sha256(body).hexdigest()[:20]) + '"'
         if mode in ("1", "lm"):
             headers["Last-Modified"] = email.utils.formatdate(self.server.host.modified.get(name, START), usegmt=True)
         return headers
@@ -223,6 +230,7 @@ class ImageHost:
         self.hits_full: Counter[str] = Counter()
         self.headers_seen: list[dict[str, str]] = []
         self.modified: dict[str, float] = {}  # Unix time each name was last replaced (else START)
+        self.redirects: dict[str, tuple[str, str]] = {}  # name -> (Location, Cache-Control): ``redirect``
         self.not_modified = 0
         self.body_bytes = 0
         self.connections = 0
@@ -235,6 +243,11 @@ class ImageHost:
         with self.lock:
             self.blobs[name] = data
             self.modified[name] = max(time.time(), self.modified.get(name, START) + 1)
+
+    def redirect(self, name: str, target: str, cache_control: str = "") -> None:
+        """Answer ``name`` with a 302 to ``target`` from now on (a later call moves it)."""
+        with self.lock:
+            self.redirects[name] = (target, cache_control)
 
     def get(self, name: str) -> bytes | None:
         if name in self.blobs:

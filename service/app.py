@@ -1,7 +1,8 @@
 """create_app(): the only place the parts meet.
 
     settings ─▶ balance (this worker's connections, load and accept gate; from gunicorn's worker)
-             ─▶ runner (model + inference thread + decode pool + batcher; reads the siblings' loads)
+             ─▶ runner (model + inference thread + decode pool + batcher; reads the siblings' loads; the
+                numerics as the server's memo or the fleet's record in the shared cache has them)
              ─▶ fetcher (concurrent, bounded URL fetching)
              ─▶ cache (embeddings by image content: memory, then disk or redis; GREENSERVE_CACHE)
              ─▶ orchestrator (fetch → decode → infer → postprocess for one request)
@@ -20,7 +21,7 @@ from flask import Flask
 
 from service import logs, metrics
 from service.balance.gate import Balance, Policy
-from service.cache import tiers
+from service.cache import fleet, tiers
 from service.cache.tiers import EmbeddingCache
 from service.engine.catalog import model_set
 from service.engine.engine import Model
@@ -57,7 +58,9 @@ def create_app(settings: Settings | None = None, *, model: Model | None = None,
         for spec in model_set(settings):
             import_family(spec.model)  # in this thread, not the loader's (``import_family`` says why)
             own = dataclasses.replace(settings, model=spec.model, weights=spec.weights, models="")
-            loaders[spec.name] = functools.partial(load_for_worker, own, balance.slot, device_decode, balance.memo)
+            # the numerics: as this server's earlier workers measured them (the memo), else the fleet's (its Redis)
+            loaders[spec.name] = functools.partial(load_for_worker, own, balance.slot, device_decode, balance.memo,
+                                                   fleet.from_settings(settings))
         runner = Runner(settings, siblings=balance, loaders=loaders)
     texts = TextEncoder(runner, settings.label_cache_size)
     fetcher = fetcher or HttpFetcher(settings, pace=runner.scheduling.urgency)  # reads wait while urgent work runs

@@ -149,8 +149,8 @@ class Settings:
                               section="Cache")
     cache_memory_mb: int = _setting(64, "memory each worker keeps for recent entries (LRU), in front of disk or redis; 0: none",
                                     section="Cache", unit="MB", parse="int", lo=0, hi=1_000_000)
-    cache_disk_mb: int = _setting(1024, "size cap of the disk cache (least recently used entries go first)", section="Cache",
-                                  unit="MB", parse="int", lo=1, hi=10_000_000)
+    cache_disk_mb: int = _setting(1024, "size cap of the disk cache, its sqlite file and WAL together (least recently used "
+                                  "entries go first)", section="Cache", unit="MB", parse="int", lo=1, hi=10_000_000)
     cache_ttl_s: int = _setting(30 * 86400, "how long an entry lives in the disk cache or redis; 0: until evicted",
                                 section="Cache", unit="s", parse="int", lo=0, hi=10 * 365 * 86400)
     cache_timeout_ms: float = _setting(100.0, "the longest one cache call may wait for disk or redis before the request goes on "

@@ -5,7 +5,8 @@
                            the preprocessing, where JPEGs decode, the torch and Pillow versions
     content_id(data)       sha256 of the image's bytes
     entry_key / url_key    ``e:<model>:<content>`` holds the outputs; ``u:<sha256(url)>`` what a URL last held
-                           (its validators and content id): the URL alone never finds outputs
+                           (its validators, the redirects that led to the URL which sent them, and the content
+                           id): the URL alone never finds outputs
     pack / unpack          outputs as raw bytes, exactly as computed, with the key they belong to and a checksum:
                            a corrupt, truncated or misplaced value unpacks as None (a miss)
 
@@ -38,12 +39,14 @@ class Outputs:
 
 @dataclass(frozen=True)
 class UrlRecord:
-    """What a URL held when it was last fetched: the content's id and the validators to ask again with."""
+    """What a URL held when it was last fetched: the content's id, the validators to ask again with, and the
+    redirects that led to the URL which sent them (``fetch.chain_id``: only that URL, reached so, is asked)."""
 
     content: str
     etag: str = ""
     last_modified: str = ""
-    fresh_until: float = 0.0  # Unix time; before it (the host's max-age) the URL is not asked again
+    fresh_until: float = 0.0  # Unix time; before it (the host's max-age, every redirect's too) not asked again
+    chain: str = ""
 
 
 def model_id(identity: Mapping[str, Any]) -> str:
@@ -94,15 +97,18 @@ def unpack(key: str, blob: bytes | None) -> Outputs | None:
 
 def pack_url(key: str, record: UrlRecord) -> bytes:
     return json.dumps({"key": key, "content": record.content, "etag": record.etag, "lm": record.last_modified,
-                       "fresh_until": record.fresh_until}).encode()
+                       "fresh_until": record.fresh_until, "chain": record.chain}).encode()
 
 
 def unpack_url(key: str, blob: bytes | None) -> UrlRecord | None:
+    """The record packed under ``key``, or None. A record without its chain predates it: its validators may
+    have come from a redirect's target, so it is not trusted (the next fetch downloads, the content finds the entry)."""
     try:
         value = json.loads(blob) if blob else None
         if not isinstance(value, dict) or value.get("key") != key or len(value["content"]) != 64:
             return None
-        return UrlRecord(str(value["content"]), str(value["etag"]), str(value["lm"]), float(value["fresh_until"]))
+        return UrlRecord(str(value["content"]), str(value["etag"]), str(value["lm"]), float(value["fresh_until"]),
+                         str(value["chain"]))
     except (ValueError, KeyError, TypeError):
         return None
 

@@ -15,8 +15,9 @@ from typing import Any, TypeVar
 from gevent.threadpool import ThreadPool
 
 from service import metrics
+from service.cache.disk_store import DiskStore
 from service.cache.entries import content_id
-from service.cache.stores import DiskStore, MemoryStore, Store, StoreDown
+from service.cache.stores import MemoryStore, Store, StoreDown
 from service.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -32,6 +33,7 @@ class EmbeddingCache:
         self.ttl_s = ttl_s
         self._pool = ThreadPool(threads)
         self._blocking = isinstance(shared, DiskStore)
+        self._warned: set[str] = set()  # the kinds of store failure this worker has logged at warning
 
     def digest(self, data: bytes) -> str:
         """The content id of ``data``, hashed where it does not hold the hub up."""
@@ -86,20 +88,44 @@ class EmbeddingCache:
         return True
 
     def _shared(self, fn: Callable[..., T], *args: Any) -> T:
-        return self._in_thread(fn, *args) if self._blocking else fn(*args)
+        if not self._blocking:
+            return fn(*args)
+        # StoreDown comes back as a value and is raised here: raised in the pool's thread, gevent prints it
+        # with a traceback, and a store that fails is a miss, logged once (``_failed``)
+        outcome: T | StoreDown = self._in_thread(_outcome, fn, *args)
+        if isinstance(outcome, StoreDown):
+            raise outcome
+        return outcome
 
     def _in_thread(self, fn: Callable[..., T], *args: Any) -> T:
         return self._pool.apply(fn, args)  # type: ignore[no-any-return]
 
     def _failed(self, exc: StoreDown) -> None:
+        """A store that failed: this request went on without it (a miss). Logged at warning once per kind of
+        failure, and whenever the store did something about it; counted every time."""
         assert self.shared is not None
-        metrics.CACHE_STORE_ERRORS.labels(self.shared.name).inc()
-        log.debug("embedding cache: %s", exc)
+        name = self.shared.name
+        metrics.CACHE_STORE_ERRORS.labels(name).inc()
+        if exc.left:  # gone for this worker: its memory is the store from now on
+            self.shared, self._blocking = None, False
+        if exc.action or exc.kind and exc.kind not in self._warned:
+            self._warned.add(exc.kind)
+            log.warning("embedding cache: the %s store failed (%s); the request went on without it; %s", name, exc,
+                        exc.action or f"more {exc.kind} failures are counted in greenserve_cache_store_errors_total")
+        else:
+            log.debug("embedding cache: %s", exc)
 
     @staticmethod
     def _evicted(store: str, n: int) -> None:
         if n:
             metrics.CACHE_EVICTIONS.labels(store).inc(n)
+
+
+def _outcome(fn: Callable[..., T], *args: Any) -> T | StoreDown:
+    try:
+        return fn(*args)
+    except StoreDown as exc:
+        return exc
 
 
 def _digests(datas: Sequence[bytes]) -> list[str]:

@@ -52,6 +52,9 @@ class Numerics:
 
 
 FLOAT32 = Numerics()
+# every Numerics by its name: a choice kept as words (``precision_records``) read back
+BY_NAME = {n.name: n for n in (FLOAT32, *(Numerics(dtype, cast) for dtype in (torch.bfloat16, torch.float16)
+                                          for cast in (True, False)))}
 
 
 class TowerCast:

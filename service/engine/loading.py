@@ -22,6 +22,7 @@ import torch
 from service.engine import precision, weights
 from service.engine.casting import FLOAT32, Numerics, dtype_name
 from service.engine.model import LoadedModel
+from service.engine.precision_records import FleetStore, Memo
 from service.engine.types import DeviceDecoder, ModelLoadError
 from service.settings import Settings
 
@@ -102,21 +103,25 @@ def resolve_device(device: str, worker_ordinal: int = 0) -> torch.device:
     return torch.device("cpu")
 
 
-def load_for_worker(settings: Settings, slot: int, decoder: DeviceDecoder,
-                    memo: precision.Memo | None = None) -> LoadedModel:
+def load_for_worker(settings: Settings, slot: int, decoder: DeviceDecoder, memo: Memo | None = None,
+                    fleet: FleetStore | None = None) -> LoadedModel:
     """The worker's model as configured: its device, its numerics settled (as an earlier worker of this
-    server measured them, through ``memo``, else measured here), where its JPEGs decode (on the device
-    through ``decoder`` when it can). Runs in the worker's inference thread, after fork: the first torch op
-    of this process."""
+    server measured them, through ``memo``, else as the fleet's first instance did, through ``fleet``, else
+    measured here), where its JPEGs decode (on the device through ``decoder`` when it can). Runs in the
+    worker's inference thread, after fork: the first torch op of this process."""
     torch.set_num_threads(settings.torch_threads_per_worker())
     device = resolve_device(settings.device, slot)
     log.info("loading %s (weights=%s) on %s with %d torch thread(s)", settings.model, settings.weights,
              device, torch.get_num_threads())
     model = load_model(settings.model, settings.weights, device=device, channels_last=settings.channels_last)
     # before warm-up (it warms the chosen numerics), timed at the sizes the batchers form
-    precision.settle(model, settings.dtype, cpu_bf16=settings.cpu_bf16,
-                     image_sizes=precision.batch_sizes(settings.max_batch),
-                     text_sizes=precision.batch_sizes(settings.max_text_batch), memo=memo)
+    try:
+        precision.settle(model, settings.dtype, cpu_bf16=settings.cpu_bf16,
+                         image_sizes=precision.batch_sizes(settings.max_batch),
+                         text_sizes=precision.batch_sizes(settings.max_text_batch), memo=memo, fleet=fleet)
+    finally:
+        if fleet is not None:
+            fleet.close()  # read once at boot: its connection is not kept for the worker's life
     on_device, why = decoder.usable(settings.jpeg_decode, device, model.info.transform)
     model.decoder = decoder if on_device else None
     model.info = replace(model.info, jpeg_decode="device" if on_device else "pillow")

@@ -12,35 +12,38 @@ Each tower (image, and text where there is one) tries the candidate two ways, we
 autocast (``casting.Numerics``), against float32, warm, at the batch sizes its batcher forms (1, a middle
 size, the max batch), in ascending order, on photo-like probe crops (``PROBE_TEXTS`` for a text tower). A
 trial is kept only if every output has cosine >= ``MIN_COSINE`` to float32's, every image the same top-1
-class, and its time over the sizes is ``MIN_SPEEDUP`` x float32's or better; the fastest kept one serves,
-else float32. A trial stops early once it can no longer be fast enough (``_hopeless``). A pinned value
-(float32, bfloat16, float16) is served as given, weights cast once, untried. Runs in the worker's inference
-thread, before warm-up.
+class, and its time over the sizes is ``MIN_SPEEDUP`` x float32's or better; of the kept ones cast once
+serves unless autocast is more than ``TIE_MARGIN`` x as fast (``preferred``: a tie within noise is broken the
+same way everywhere), else float32. A trial stops early once it can no longer be fast enough (``_hopeless``).
+A pinned value (float32, bfloat16, float16) is served as given, weights cast once, untried. Runs in the
+worker's inference thread, before warm-up.
 
-A trial's outcome is kept in the server's ``Memo`` under everything it depends on (the weights' digest, the
-hardware, the sizes, the settings, torch's version): a worker that replaces another after a HUP or a
-respawn serves what was measured at the server's start, on idle cores, instead of timing again on cores
-that serve a reload's load (two workers timed under that load chose differently: docs/SCHEDULING.md#hand-over).
+A trial's outcome is kept under everything it depends on (``precision_records``): in the server's ``Memo``,
+so a worker that replaces another after a HUP or a respawn serves what was measured at the server's start,
+on idle cores, instead of timing again on cores that serve a reload's load (two workers timed under that load
+chose differently: docs/SCHEDULING.md#hand-over); and with a Redis cache in the fleet's record, so every
+instance serves the numerics the first one measured, and finds the others' cache entries.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import json
 import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 import torch
 
-from service.engine.casting import FLOAT32, Numerics, dtype_name
+from service.engine import precision_records as records
+from service.engine.casting import BY_NAME, FLOAT32, Numerics, dtype_name
 from service.engine.model import LoadedModel
-from service.engine.types import MIN_SPEEDUP, Precision, TowerChoice, Trial
+from service.engine.precision_records import REUSED, FleetStore, Memo
+from service.engine.types import MIN_SPEEDUP, TIE_MARGIN, Precision, TowerChoice, Trial
 
 log = logging.getLogger(__name__)
 
@@ -50,18 +53,7 @@ CPU_BF16_FLAGS = ("amx_bf16", "avx512_bf16")
 
 # (tower, numerics, batch size, run the forward) -> (its outputs, seconds); tests inject the seconds
 Timer = Callable[[str, Numerics, int, Callable[[], Any]], tuple[Any, float]]
-REUSED = "as measured when this server started: "  # the reason's prefix for a choice read from the memo
 TRIAL_TURN_S = 120.0  # the longest a worker waits for a sibling's trial before it times its own
-
-
-class Memo(Protocol):
-    """Where a server's workers keep what they measured (``service.balance.memo.SharedMemo``)."""
-
-    def get(self, key: str) -> bytes | None: ...
-
-    def put(self, key: str, value: bytes) -> bool: ...
-
-    def exclusive(self, timeout_s: float) -> contextlib.AbstractContextManager[bool]: ...
 
 
 def wall_clock(tower: str, numerics: Numerics, size: int, run: Callable[[], Any]) -> tuple[Any, float]:
@@ -109,61 +101,64 @@ def candidate_for(device: torch.device, cpu_bf16: str = "auto",
 
 def settle(model: LoadedModel, requested: str, *, cpu_bf16: str = "auto", flags: frozenset[str] | None = None,
            image_sizes: tuple[int, ...] = (1, 8, 32), text_sizes: tuple[int, ...] = (1, 16, 64),
-           timer: Timer = wall_clock, memo: Memo | None = None) -> Precision:
+           timer: Timer = wall_clock, memo: Memo | None = None, fleet: FleetStore | None = None) -> Precision:
     """Set each of ``model``'s towers' numerics from ``requested`` (``GREENSERVE_DTYPE``); log and record why.
     ``image_sizes``/``text_sizes``: the batch sizes to time (``batch_sizes`` of the batchers' maxima);
-    ``memo``: where an earlier worker's trial is read from, and this one's kept."""
+    ``memo``: where an earlier worker's trial is read from, and this one's kept; ``fleet``: the fleet's record,
+    adopted where there is one, else this trial's offered to it (``precision_records``)."""
     candidate, hardware = candidate_for(model.device, cpu_bf16, flags)
-    sizes = {"image": image_sizes, "text": text_sizes}
+    by = ""
     if requested != "auto":
         pinned = Numerics(getattr(torch, requested), cast=requested != "float32")
         choices = [_serve(model, tower, pinned, "pinned by GREENSERVE_DTYPE") for tower in model.towers]
-        reason = "pinned by GREENSERVE_DTYPE"
+        reason, source = "pinned by GREENSERVE_DTYPE", "pinned"
     elif candidate is None:
-        why = f"{hardware}: no native bfloat16 or float16 (it would be emulated, slower than float32), so float32"
-        choices = [_serve(model, tower, FLOAT32, why) for tower in model.towers]
-        reason = why
+        reason = f"{hardware}: no native bfloat16 or float16 (it would be emulated, slower than float32), so float32"
+        choices = [_serve(model, tower, FLOAT32, reason) for tower in model.towers]
+        source = "hardware"
     else:
-        key = _trial_key(model, requested, cpu_bf16, hardware, sizes)
-        # one worker at a time: at the first start the second one reads what the first measured (two
-        # trials at once share the cores, time each other, and may choose differently)
-        with memo.exclusive(TRIAL_TURN_S) if memo is not None else contextlib.nullcontext():
-            recalled = _recall(model, memo, key)
-            if recalled is not None:
-                choices = recalled
-            else:
-                choices = [_choose(model, tower, candidate, sizes[tower], timer) for tower in model.towers]
-                if memo is not None:
-                    memo.put(key, json.dumps([[c.tower, c.numerics, c.reason, c.sizes] for c in choices]).encode())
+        sizes = {"image": image_sizes, "text": text_sizes}
+        key = records.trial_key(model, requested, cpu_bf16, hardware, sizes)
+        choices, source, by = _trial(model, key, candidate, sizes, timer, memo, fleet)
         reason = f"{hardware}: " + "; ".join(f"{c.tower} tower {c.reason}" for c in choices)
     model.release_float32()
-    precision = Precision(requested, dtype_name(model.dtype), hardware, reason, tuple(choices))
+    precision = Precision(requested, dtype_name(model.dtype), hardware, reason, tuple(choices), source, by)
     model.info = replace(model.info, dtype=precision.chosen, precision=precision)
     log.info("serving in %s (GREENSERVE_DTYPE=%s): %s", ", ".join(f"{c.tower} {c.numerics}" for c in choices),
              requested, reason)
     return precision
 
 
-def _trial_key(model: LoadedModel, requested: str, cpu_bf16: str, hardware: str,
-               sizes: dict[str, tuple[int, ...]]) -> str:
-    info = model.info
-    return json.dumps({"model": [info.family, info.name, info.weights, info.weights_digest], "device": str(model.device),
-                       "requested": requested, "cpu_bf16": cpu_bf16, "hardware": hardware, "sizes": sizes,
-                       "towers": list(model.towers), "torch": torch.__version__}, sort_keys=True)
+def _trial(model: LoadedModel, key: str, candidate: torch.dtype, sizes: dict[str, tuple[int, ...]], timer: Timer,
+           memo: Memo | None, fleet: FleetStore | None) -> tuple[list[TowerChoice], str, str]:
+    """The towers' choices under ``key``, where this worker got them (server, fleet, measured) and who timed
+    them: an earlier worker's (the memo), else the fleet's record, else timed here and offered to the fleet,
+    whose first record wins (two instances that measured at once serve one choice)."""
+    # one worker at a time: at the first start the second one reads what the first measured (two
+    # trials at once share the cores, time each other, and may choose differently)
+    with memo.exclusive(TRIAL_TURN_S) if memo is not None else contextlib.nullcontext():
+        kept = records.decode(key, memo.get(key)) if memo is not None else None
+        if kept is not None:
+            return _apply(model, kept, REUSED), "server", kept.by
+        kept, answered = records.read_fleet(fleet, key)
+        source = "fleet"
+        if kept is None:
+            choices = [_choose(model, tower, candidate, sizes[tower], timer) for tower in model.towers]
+            ours = records.Record.of(choices, records.this_process())
+            kept = records.offer(fleet, key, ours) if fleet is not None and answered else ours
+            source = "measured" if kept is ours else "fleet"
+        if source == "fleet":
+            assert fleet is not None
+            choices = _apply(model, kept, records.ADOPTED.format(where=fleet.where, by=kept.by))
+        if memo is not None:
+            memo.put(key, records.Record.of(choices, kept.by).encode(key))
+    return choices, source, kept.by
 
 
-def _recall(model: LoadedModel, memo: Memo | None, key: str) -> list[TowerChoice] | None:
-    """The towers' choices an earlier worker measured under ``key``, applied to ``model``; None if there are none."""
-    kept = memo.get(key) if memo is not None else None
-    if kept is None:
-        return None
-    by_name = {Numerics(dtype, cast).name: Numerics(dtype, cast)
-               for dtype in (torch.bfloat16, torch.float16) for cast in (True, False)} | {FLOAT32.name: FLOAT32}
-    try:
-        rows = [(tower, by_name[numerics], reason, tuple(sizes)) for tower, numerics, reason, sizes in json.loads(kept)]
-    except (ValueError, KeyError, TypeError):
-        return None
-    return [_serve(model, tower, numerics, REUSED + reason, sizes) for tower, numerics, reason, sizes in rows]
+def _apply(model: LoadedModel, record: records.Record, prefix: str) -> list[TowerChoice]:
+    """``record``'s choices served by ``model``, each reason after ``prefix`` (where it was read)."""
+    return [_serve(model, tower, BY_NAME[numerics], prefix + reason, sizes)
+            for tower, numerics, reason, sizes in record.towers]
 
 
 def _serve(model: LoadedModel, tower: str, numerics: Numerics, reason: str, sizes: tuple[int, ...] = (),
@@ -181,22 +176,34 @@ def _choose(model: LoadedModel, tower: str, candidate: torch.dtype, sizes: tuple
     ways = (Numerics(candidate, cast=True), Numerics(candidate, cast=False))
     trials = [_compare(way, _timed_sizes(model, tower, way, inputs, sizes, timer, reference), reference)
               for way in ways]
-    kept = [i for i, t in enumerate(trials) if t.kept(sizes)]
-    if not kept:
+    best = preferred(trials, sizes)
+    if best is None:
         return _serve(model, tower, FLOAT32, "float32: " + "; ".join(_refusal(t) for t in trials), sizes, trials)
-    best = max(kept, key=lambda i: trials[i].speedup)
     reason = "; ".join([f"{ways[best].name}: {trials[best].text()}"] +
-                       [_refusal(t) for i, t in enumerate(trials) if i != best])
+                       [_refusal(t, trials[best]) for i, t in enumerate(trials) if i != best])
     return _serve(model, tower, ways[best], reason, sizes, trials)
 
 
-def _refusal(trial: Trial) -> str:
+def preferred(trials: Sequence[Trial], sizes: tuple[int, ...]) -> int | None:
+    """Which trial serves (None: float32): of those kept, the first in their fixed order (cast once, then
+    autocast) unless another is more than ``TIE_MARGIN`` x as fast. Not simply the fastest: two instances that
+    time both ways alike within noise must choose alike, or their cache keys and vectors differ (issue 40)."""
+    kept = [i for i, t in enumerate(trials) if t.kept(sizes)]
+    if not kept:
+        return None
+    fastest = max(trials[i].speedup for i in kept)
+    return next(i for i in kept if trials[i].speedup * TIE_MARGIN >= fastest)
+
+
+def _refusal(trial: Trial, chosen: Trial | None = None) -> str:
     if trial.error is not None:
         return trial.text()
     if not trial.agrees:
         return f"{trial.text()}: disagreed with float32"
     if trial.speedup < MIN_SPEEDUP:
         return f"{trial.text()}: agreed but {'slower' if trial.speedup < 1 else 'not enough faster'}"
+    if chosen is not None and trial.speedup > chosen.speedup:
+        return f"{trial.text()}: kept, faster by less than {TIE_MARGIN}x: a tie, and {chosen.numerics} goes first"
     return f"{trial.text()}: kept, slower than the one chosen"
 
 

@@ -15,6 +15,9 @@ if TYPE_CHECKING:  # annotations only: this module stays torch-free
 
 MIN_COSINE = 0.9999
 MIN_SPEEDUP = 1.15  # a lower precision must earn its rounding: timing noise between runs here is ~5-10%
+# two ways kept within this factor of each other are a tie, by the same noise: cast once, first in a fixed order,
+# serves unless autocast is faster by more, so that instances which time alike choose alike (``precision.preferred``)
+TIE_MARGIN = MIN_SPEEDUP
 
 
 class ModelLoadError(RuntimeError):
@@ -199,11 +202,16 @@ class Precision:
     hardware: str  # what the choice was made on: "cpu avx2", "cpu avx512_bf16", "cuda sm_90 NVIDIA H200"
     reason: str
     towers: tuple[TowerChoice, ...] = ()
+    # where this worker got it: measured (timed here) | server (an earlier worker's, the memo) | fleet (the first
+    # instance's record in the shared cache) | pinned (GREENSERVE_DTYPE) | hardware (no candidate: float32 untried)
+    source: str = "measured"
+    measured_by: str = ""  # "<host> pid <pid>" of the worker that timed it; empty when nothing was timed
 
     def tower(self, name: str) -> TowerChoice | None:
         return next((t for t in self.towers if t.tower == name), None)
 
     def public(self) -> dict[str, Any]:
         return {"requested": self.requested, "chosen": self.chosen, "hardware": self.hardware,
-                "reason": self.reason, "min_cosine": MIN_COSINE, "min_speedup": MIN_SPEEDUP,
+                "reason": self.reason, "source": self.source, "measured_by": self.measured_by,
+                "min_cosine": MIN_COSINE, "min_speedup": MIN_SPEEDUP, "tie_margin": TIE_MARGIN,
                 "towers": {t.tower: t.public() for t in self.towers}}

@@ -178,9 +178,16 @@ def _model_card() -> Schema:
                  "trials": {"type": "array", "items": trial}}, ("numerics", "reason", "sizes", "trials"),
                 description="float32, or a lower dtype by autocast or with the weights cast once")
     precision = obj({"requested": {"enum": ["auto", "float32", "bfloat16", "float16"]}, "chosen": dtypes,
-                     "hardware": string, "reason": string, "min_cosine": number, "min_speedup": number,
+                     "hardware": string, "reason": string,
+                     "source": {"enum": ["measured", "server", "fleet", "pinned", "hardware"],
+                                "description": "where this worker got the choice: timed here, an earlier worker's "
+                                               "of this server, the fleet's record in the shared cache, "
+                                               "GREENSERVE_DTYPE, or float32 untried on this hardware"},
+                     "measured_by": {"type": "string", "description": "host and pid of the worker that timed it"},
+                     "min_cosine": number, "min_speedup": number, "tie_margin": number,
                      "towers": obj({"image": tower, "text": tower}, ("image",))},
-                    ("requested", "chosen", "hardware", "reason", "min_cosine", "min_speedup", "towers"),
+                    ("requested", "chosen", "hardware", "reason", "source", "measured_by", "min_cosine", "min_speedup",
+                     "tie_margin", "towers"),
                     description="GREENSERVE_DTYPE and what each tower chose on this worker's hardware, and why")
     properties = {
         "id": string, "object": {"const": "model"}, "created": _integer(), "owned_by": string,

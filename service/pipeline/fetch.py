@@ -8,7 +8,9 @@
                 errors and 429/502/503/504, Retry-After honoured when it fits the deadline; never for 4xx.
                 With ``Validators`` it asks If-None-Match / If-Modified-Since, and a 304 is ``Fetched(None)``
     _follow     one attempt: redirects followed by hand, every hop checked by the address guard (ssrf.py),
-                which also makes the connection go to exactly the checked address
+                which also makes the connection go to exactly the checked address. Validators go only to the
+                URL that sent them, reached through the same redirects (``Validators.chain``): a validator
+                speaks for one URL's bytes (RFC 9110), and a host may reuse an ETag at another URL
     read_body   the body streamed against GREENSERVE_MAX_IMAGE_BYTES, decoded and sniffed (``fetch_body``)
 
 One ``requests.Session`` per worker keeps connections alive per host. Its sockets are gevent's (see
@@ -19,6 +21,7 @@ code for that one image: a host that is down fails its images, never the worker.
 from __future__ import annotations
 
 import email.utils
+import hashlib
 import logging
 import random
 import time
@@ -51,10 +54,12 @@ HOST_POOLS = 64  # hosts (per pinned address) whose keep-alive connections a wor
 
 @dataclass(frozen=True)
 class Validators:
-    """What a host said identifies a response (RFC 9110): sent back to ask whether it changed."""
+    """What a host said identifies a response (RFC 9110), and the redirects that led to the URL which said it
+    (``chain_id``; empty: none): sent back only to that URL, reached the same way, to ask whether it changed."""
 
     etag: str = ""
     last_modified: str = ""
+    chain: str = ""
 
     def headers(self) -> dict[str, str]:
         return {k: v for k, v in (("If-None-Match", self.etag), ("If-Modified-Since", self.last_modified)) if v}
@@ -62,12 +67,22 @@ class Validators:
 
 @dataclass(frozen=True)
 class Fetched:
-    """An image's bytes, or None when the host answered 304 Not Modified to the validators sent; with the
-    response's validators and Cache-Control (what the embedding cache may do with it)."""
+    """An image's bytes, or None when the URL that sent the validators answered 304 Not Modified to them;
+    with the response's validators and Cache-Control, and each redirect's Cache-Control in the order followed
+    (what the embedding cache may do with it: a chain is fresh only while each of its responses is)."""
 
     data: bytes | None
     validators: Validators = Validators()
     cache_control: str = ""
+    redirect_cache_control: tuple[str, ...] = ()
+
+
+def chain_id(redirects: Sequence[str]) -> str:
+    """The name of the URLs a fetch was redirected to, in order: empty for none, else a digest (a redirect's
+    URL may be signed: it is compared, never kept)."""
+    if not redirects:
+        return ""
+    return hashlib.sha256("\n".join(redirects).encode("utf-8", "surrogatepass")).hexdigest()[:40]
 
 
 FetchResult = Fetched | ImageError
@@ -75,7 +90,8 @@ FetchResult = Fetched | ImageError
 
 class Fetcher(Protocol):
     """Fetch ``urls``; yield ``(index, Fetched or ImageError)`` as each completes (any order). A URL in
-    ``validators`` is asked conditionally: its ``Fetched.data`` is None when the host says it has not changed."""
+    ``validators`` is asked conditionally where it reaches the URL that sent them through the same redirects:
+    its ``Fetched.data`` is None only when that URL says it has not changed."""
 
     def fetch_many(self, urls: Sequence[str], *, deadline: float | None = None, request_id: str = "",
                    validators: Mapping[str, Validators] | None = None) -> Iterator[tuple[int, FetchResult]]: ...
@@ -181,23 +197,29 @@ class HttpFetcher:
         raise AssertionError("unreachable: the last attempt returns or raises")
 
     def _follow(self, url: str, until: float, validators: Validators | None) -> Fetched:
-        asked = validators.headers() if validators else {}
+        redirects: list[str] = []
+        relayed: list[str] = []  # each redirect's Cache-Control
         for _ in range(self.settings.fetch_max_redirects + 1):
-            with self._send(url, until, asked) as resp:
+            # only the URL that sent the validators, reached the same way, is asked with them: a 304 from any
+            # other would vouch for bytes it never sent
+            ask = validators if validators and validators.chain == chain_id(redirects) else None
+            with self._send(url, until, ask.headers() if ask else {}) as resp:
                 target = self.session.get_redirect_target(resp) if resp.status_code in REDIRECT_STATUSES else None
                 if target:
                     url = urljoin(resp.url, target)
                     if urlsplit(url).scheme.lower() not in SCHEMES:
                         raise url_not_allowed(f"the image host redirected to a {urlsplit(url).scheme}: URL, "
                                               "which is not fetched (only http and https)", hint=False)
+                    redirects.append(url)
+                    relayed.append(resp.headers.get("Cache-Control", ""))
                     continue
-                if resp.status_code == 200 or resp.status_code == 304 and asked:
-                    found = Validators(resp.headers.get("ETag", ""), resp.headers.get("Last-Modified", ""))
-                    if resp.status_code == 304:  # a 304 may leave out the validators it confirms
-                        found = Validators(found.etag or validators.etag, found.last_modified or
-                                           validators.last_modified) if validators else found
+                if resp.status_code == 200 or resp.status_code == 304 and ask:
+                    found = Validators(resp.headers.get("ETag", ""), resp.headers.get("Last-Modified", ""),
+                                       chain_id(redirects))
+                    if resp.status_code == 304 and ask:  # a 304 may leave out the validators it confirms
+                        found = Validators(found.etag or ask.etag, found.last_modified or ask.last_modified, ask.chain)
                     body = read_body(resp, self.settings.max_image_bytes, self.pace) if resp.status_code == 200 else None
-                    return Fetched(body, found, resp.headers.get("Cache-Control", ""))
+                    return Fetched(body, found, resp.headers.get("Cache-Control", ""), tuple(relayed))
                 raise _status_error(resp)
         raise FetchError(f"more than {self.settings.fetch_max_redirects} redirects; link the image itself or "
                          "raise GREENSERVE_FETCH_MAX_REDIRECTS", code="fetch_failed")

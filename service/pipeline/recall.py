@@ -7,9 +7,10 @@
     recall       a 304's entry, or the entry of the bytes just fetched or uploaded (by content id), or None
     keep         a computed row's outputs and its URL's record, written in one call when the request ends
 
-A URL is never enough to answer: only its validators confirmed by the host (a 304), the host's max-age, or
-the bytes themselves. ``Cache-Control: no-store`` from the host: nothing read or written for that image; from
-the caller, for its request (``no-cache``: every image embedded again, and stored).
+A URL is never enough to answer: only its validators confirmed by the URL that sent them, reached through the
+same redirects (a 304), the max-age of every response on the way, or the bytes themselves. ``Cache-Control:
+no-store`` from the host: nothing read or written for that image; from the caller, for its request
+(``no-cache``: every image embedded again, and stored).
 """
 
 from __future__ import annotations
@@ -99,14 +100,14 @@ class Recall:
         return self._found[record.content]
 
     def validators(self, urls: Sequence[str]) -> dict[str, Validators]:
-        return {u: Validators(r.etag, r.last_modified) for u in urls if (r := self._records.get(u)) is not None
+        return {u: Validators(r.etag, r.last_modified, r.chain) for u in urls if (r := self._records.get(u)) is not None
                 and (r.etag or r.last_modified) and r.content in self._found}
 
     def recall(self, index: int, url: str | None, got: Fetched | bytes) -> Outputs | None:
         """The outputs already known for image ``index``, or None: decode and infer it, then ``keep``."""
         directives = _directives(got.cache_control) if isinstance(got, Fetched) else {}
         if isinstance(got, Fetched):
-            if url is not None and got.data is None:  # 304: the record asked with still holds
+            if url is not None and got.data is None:  # 304 from the URL the record's validators came from
                 record = self._records[url]
                 metrics.CACHE_REVALIDATIONS.labels("not_modified").inc()
                 if "no-store" not in directives:
@@ -148,12 +149,14 @@ class Recall:
             self._pending = {}
 
     def _remember(self, url: str, content: str, got: Fetched, directives: Mapping[str, Any]) -> None:
-        max_age = 0.0 if "no-cache" in directives else _seconds(directives.get("max-age"))
+        # a redirect is a response too: the chain is fresh only while each of its responses is (RFC 9111 4.2;
+        # a redirect without max-age is not, so it is followed again and its target asked conditionally)
+        max_age = min([_max_age(directives), *(_max_age(_directives(c)) for c in got.redirect_cache_control)])
         if not (got.validators.etag or got.validators.last_modified or max_age):
             return  # nothing to ask again with: the next fetch downloads, and its content finds the entry
         old = self._records.get(url)
         v = got.validators
-        record = UrlRecord(content, v.etag, v.last_modified, time.time() + max_age if max_age else 0.0)
+        record = UrlRecord(content, v.etag, v.last_modified, time.time() + max_age if max_age else 0.0, v.chain)
         if record != old:
             self._records[url] = record
             key = entries.url_key(url)
@@ -197,6 +200,11 @@ def _directives(header: str) -> dict[str, Any]:
         if name:
             out[name] = value.strip().strip('"')
     return out
+
+
+def _max_age(directives: Mapping[str, Any]) -> float:
+    """How long a response may be used without asking (0 under no-cache or no-store)."""
+    return 0.0 if "no-cache" in directives or "no-store" in directives else _seconds(directives.get("max-age"))
 
 
 def _seconds(value: str | None) -> float:

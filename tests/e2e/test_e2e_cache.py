@@ -1,7 +1,8 @@
 """The embedding cache on real gunicorn -k gevent with the real image host (ETags, 304s): a re-synced album
 is answered without a decode, a forward or a downloaded byte; a changed photo alone is embedded again; a hit
-is exactly the miss's vector; the host's Cache-Control is obeyed; the disk store survives a restart and holds
-its cap; ``greenserve cache stats|clear`` see and empty it."""
+is exactly the miss's vector; a redirect moved to another URL with the same ETag answers the new photo; the
+host's Cache-Control is obeyed; the disk store survives a restart and holds its cap; ``greenserve cache
+stats|clear`` see and empty it."""
 
 from __future__ import annotations
 
@@ -85,6 +86,29 @@ def test_one_changed_photo_is_embedded_again_and_the_others_are_not(server: Guni
     assert metric(server, "greenserve_images_total") == inferred + 1
     old, new = vectors(before), vectors(after)
     assert new[3] != old[3] and all(new[i] == old[i] for i in old if i != 3)
+
+
+def test_a_redirect_moved_to_another_photo_with_the_same_etag_answers_that_photo(server: GunicornServer,
+                                                                                 host: ImageHost) -> None:
+    """A validator speaks for one URL's bytes: once the redirect ends at another URL, whose host reuses the old
+    target's ETag, no 304 answers for it; the new photo is fetched whole and answered with its own vector."""
+    host.replace("etag-a.jpg", images.jpeg(1600, 1200, seed=7001))
+    host.replace("etag-b.jpg", images.jpeg(1600, 1200, seed=7002))
+    direct, _ = embed(server, ["etag-b.jpg"])  # B's vector, from its own URL
+    host.redirect("cover.jpg", "/etag-a.jpg?etag=shared")
+    first, _ = embed(server, ["cover.jpg"])
+    assert cache_counts(first)["miss"] == "1" and vectors(first) != vectors(direct)
+    again, _ = embed(server, ["cover.jpg"])  # the same redirect to the same URL: its 304 does vouch for A
+    assert again.headers["Cache-Status"].startswith("greenserve; fwd=stale; fwd-status=304") and vectors(again) == vectors(first)
+    host.redirect("cover.jpg", "/etag-b.jpg?etag=shared")
+    not_modified = host.not_modified
+    moved, _ = embed(server, ["cover.jpg"])
+    assert vectors(moved) == vectors(direct)  # exactly B's
+    assert "304" not in moved.headers["Cache-Status"] and cache_counts(moved)["revalidated"] == "0", moved.headers
+    assert host.not_modified == not_modified  # nothing asked B conditionally
+    settled, _ = embed(server, ["cover.jpg"])
+    assert vectors(settled) == vectors(direct)
+    print(f"moved: {moved.headers['Cache-Status']}; then: {settled.headers['Cache-Status']}")
 
 
 def test_options_are_applied_after_the_cache(server: GunicornServer) -> None:

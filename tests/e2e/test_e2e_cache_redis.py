@@ -4,63 +4,28 @@ resume once it is back."""
 
 from __future__ import annotations
 
-import shutil
-import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import redis
 import requests
 
 from harness import images
 from harness.answers import cache_counts, metric
 from harness.imagehost import ImageHost
-from harness.launch import free_port
 from harness.load import Load, load_summary
 from harness.nginx import Fleet, nginx_binary
+from harness.redis_server import RedisServer, redis_binary
 from harness.servers import e2e_env
 
 pytestmark = pytest.mark.e2e
 ALBUM = [f"img{i:03d}.jpg" for i in range(8)]
 
 
-class RedisServer:
-    """``redis-server`` on 127.0.0.1 with no persistence and a memory cap evicting least recently used keys."""
-
-    def __init__(self) -> None:
-        self.port = free_port()
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def start(self) -> RedisServer:
-        binary = shutil.which("redis-server") or "/usr/bin/redis-server"
-        self.proc = subprocess.Popen([binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-                                      "--appendonly", "no", "--maxmemory", "64mb", "--maxmemory-policy",
-                                      "allkeys-lru"], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
-        client = redis.Redis.from_url(self.url, socket_timeout=1)
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            try:
-                client.ping()
-                return self
-            except redis.ConnectionError:
-                time.sleep(0.05)
-        raise TimeoutError("redis-server did not answer in 10 s")
-
-    def kill(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-
-
 @pytest.fixture(scope="module")
 def redis_server() -> Iterator[RedisServer]:
-    if not (shutil.which("redis-server") or Path("/usr/bin/redis-server").exists()):
+    if redis_binary() is None:
         pytest.skip("no redis-server: `make test` installs Debian's redis-server as root with apt-get")
     server = RedisServer().start()
     yield server

@@ -4,6 +4,7 @@ that is down costing a bounded wait and coming back, and the app answering a rep
 from __future__ import annotations
 
 import base64
+import json
 import sqlite3
 import threading
 import time
@@ -17,9 +18,10 @@ from harness.fakes import FakeFetcher, FakeModel
 from harness.launch import free_port
 from service.app import create_app
 from service.cache import entries
+from service.cache.disk_store import DiskStore
 from service.cache.entries import Outputs, UrlRecord
 from service.cache.redis_store import RedisStore
-from service.cache.stores import DiskStore, MemoryStore, StoreDown
+from service.cache.stores import MemoryStore, StoreDown
 from service.cache.tiers import EmbeddingCache
 from service.pipeline.recall import CacheTally
 from service.settings import Settings, SettingsError
@@ -56,10 +58,17 @@ def test_a_url_record_round_trips_and_is_keyed_by_a_digest_of_the_url() -> None:
     url = "http://images.example/a.jpg?X-Amz-Signature=secret"
     key = entries.url_key(url)
     assert "secret" not in key and "images.example" not in key
-    record = UrlRecord("a" * 64, '"v1"', "Tue, 01 Dec 2026 10:00:00 GMT", 123.0)
+    record = UrlRecord("a" * 64, '"v1"', "Tue, 01 Dec 2026 10:00:00 GMT", 123.0, "c" * 40)
     assert entries.unpack_url(key, entries.pack_url(key, record)) == record
     assert entries.unpack_url(entries.url_key(url + "x"), entries.pack_url(key, record)) is None
     assert entries.unpack_url(key, b"{not json") is None
+
+
+def test_a_url_record_without_its_redirect_chain_is_not_trusted() -> None:
+    """Records from before the chain was kept may hold a redirect target's validators: the next fetch downloads."""
+    key = entries.url_key("http://images.example/latest.jpg")
+    old = {"key": key, "content": "a" * 64, "etag": '"v1"', "lm": "", "fresh_until": 0.0}
+    assert entries.unpack_url(key, json.dumps(old).encode()) is None
 
 
 def test_the_memory_store_evicts_the_least_recently_used_within_its_cap() -> None:

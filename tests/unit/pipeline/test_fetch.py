@@ -25,12 +25,13 @@ from harness.imagehost import Canary, ImageHost
 from service.engine.scheduling.urgency import Urgency
 from service.errors import ImageError
 from service.pipeline import fetch_body
-from service.pipeline.fetch import HttpFetcher
+from service.pipeline.fetch import Fetched, HttpFetcher, chain_id
 from service.pipeline.ssrf import AddressPolicy
 from service.settings import Settings
 
 JPEG = images.jpeg(320, 240)
-BLOBS = {"a.jpg": JPEG, "page.html": images.HTML * 40, "empty.jpg": b"",
+OTHER = images.jpeg(200, 100, seed=8)
+BLOBS = {"a.jpg": JPEG, "b.jpg": OTHER, "page.html": images.HTML * 40, "empty.jpg": b"",
          "zeros.jpg": b"\xff\xd8\xff\xe0" + bytes(4 * 1024 * 1024)}
 
 
@@ -127,6 +128,43 @@ def test_redirects_are_followed(host: ImageHost) -> None:
 def test_too_many_redirects_fail(host: ImageHost) -> None:
     err = error(make(host, fetch_max_redirects=3).fetch(host.url("a.jpg", redirect="/a.jpg", hops=5)))
     assert err.code == "fetch_failed" and "redirects" in err.message
+
+
+def test_validators_go_only_to_the_url_that_sent_them_reached_the_same_way(host: ImageHost) -> None:
+    """A host may serve another URL with the same ETag: a redirect that now ends there is fetched whole, and
+    no 304 can vouch for the old target's bytes."""
+    host.redirect("cover.jpg", "/a.jpg?etag=shared")
+    fetcher, url = make(host), host.url("cover.jpg")
+    first = fetcher.fetch_one(url)
+    assert isinstance(first, Fetched) and first.data == JPEG and first.validators.etag == '"shared"'
+    assert first.validators.chain == chain_id([host.url("a.jpg", etag="shared")])
+    again = fetcher.fetch_one(url, validators=first.validators)
+    assert isinstance(again, Fetched) and again.data is None  # the same redirect to the same URL: 304
+    assert again.validators == first.validators
+    host.redirect("cover.jpg", "/b.jpg?etag=shared")
+    seen = len(host.headers_seen)
+    moved = fetcher.fetch_one(url, validators=first.validators)
+    assert isinstance(moved, Fetched) and moved.data == OTHER
+    assert not any("If-None-Match" in h for h in host.headers_seen[seen:])  # neither the redirect nor b.jpg asked
+
+
+def test_a_url_that_now_redirects_is_asked_itself_and_its_target_fetched_whole(host: ImageHost) -> None:
+    host.replace("moved.jpg", JPEG)
+    fetcher, url = make(host), host.url("moved.jpg", etag="shared")
+    first = fetcher.fetch_one(url)
+    assert isinstance(first, Fetched) and first.validators.chain == ""  # no redirect
+    host.redirect("moved.jpg", "/b.jpg?etag=shared")
+    seen = len(host.headers_seen)
+    moved = fetcher.fetch_one(url, validators=first.validators)
+    assert isinstance(moved, Fetched) and moved.data == OTHER
+    asked = ["If-None-Match" in h for h in host.headers_seen[seen:]]
+    assert asked == [True, False]  # the URL itself (it sent them), then not its new target
+
+
+def test_each_redirects_cache_control_comes_with_the_image(host: ImageHost) -> None:
+    host.redirect("latest.jpg", "/a.jpg", cache_control="max-age=60")
+    fetched = make(host).fetch_one(host.url("latest.jpg"))
+    assert isinstance(fetched, Fetched) and fetched.redirect_cache_control == ("max-age=60",)
 
 
 @pytest.mark.parametrize("target", ["http://127.0.0.1:{port}/x", "http://localhost:{port}/x",
