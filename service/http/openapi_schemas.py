@@ -197,13 +197,17 @@ def _model_card() -> Schema:
         "labels_count": _integer(), "device": string, "dtype": string, "weights": string, "format": string,
         "input": size, "preprocessing": preprocessing, "load_seconds": {"type": "number", "minimum": 0}, "text": text,
         "precision": precision, "jpeg_decode": {"enum": ["pillow", "device"]},
-        "residency": {"type": "object", "description": "each tower: how it stays in memory and whether it is now",
-                      "additionalProperties": obj({"residency": {"type": "string", "pattern": "^(pinned|lazy|ttl:.+)$"},
-                                                   "state": {"enum": ["resident", "unloaded"]}},
-                                                  ("residency", "state"))},
+        "residency": _residency(),
         "weights_digest": {"type": "string", "description": "sha256 of the loaded tensors (32 hex digits): the "
                            "embedding cache keys its entries with it"}}
     return obj(properties, [name for name in properties if name not in ("text", "precision")])
+
+
+def _residency() -> Schema:
+    tower = obj({"residency": {"type": "string", "pattern": "^(pinned|lazy|ttl:.+)$"},
+                 "state": {"enum": ["resident", "unloaded"]}}, ("residency", "state"))
+    return {"type": "object", "additionalProperties": tower,
+            "description": "each tower: how it stays in memory (docs/MODELS.md) and whether it is now"}
 
 
 def _probes() -> dict[str, Schema]:
