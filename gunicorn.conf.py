@@ -14,8 +14,9 @@ import time
 from gunicorn import systemd
 
 from service import logs
-from service.balance.board import LoadBoard, Seat
+from service.balance.board import SLOTS, LoadBoard, Seat
 from service.balance.memo import SharedMemo
+from service.balance.repository import SharedRepository
 from service.preimport import preimport
 from service.settings import Settings
 
@@ -69,6 +70,7 @@ def on_starting(server):
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="greenserve-metrics-")
     server.greenserve_board = board = LoadBoard()
     server.greenserve_memo = SharedMemo()
+    server.greenserve_repository = SharedRepository(SLOTS)  # which models the workers serve (the repository API)
     stop = server.stop
 
     def stopping(graceful=True):
@@ -88,7 +90,8 @@ def on_reload(server):
 
 def pre_fork(server, worker):
     """Give the worker-to-be a seat on the load board (its slot is also its ordinal for GPU spreading)."""
-    worker.greenserve_seat = Seat(server.greenserve_board, server.greenserve_board.claim(), server.greenserve_memo)
+    worker.greenserve_seat = Seat(server.greenserve_board, server.greenserve_board.claim(), server.greenserve_memo,
+                                  server.greenserve_repository)
 
 
 def child_exit(server, worker):

@@ -21,6 +21,7 @@ from flask import Flask
 
 from service import logs, metrics
 from service.balance.gate import Balance, Policy
+from service.balance.repository import Follower
 from service.cache import fleet, tiers
 from service.cache.tiers import EmbeddingCache
 from service.engine.catalog import model_set
@@ -69,7 +70,10 @@ def create_app(settings: Settings | None = None, *, model: Model | None = None,
                                 cache=cache if cache is not None else tiers.from_settings(settings))
     app = Flask("greenserve")
     who = Identities.of(settings.caller_from, settings.api_token, settings.trusted_proxies)
-    app.extensions[current.EXTENSION] = DataPlane(settings, runner, orchestrator, balance, who)
+    # which models the host's workers serve, agreed on the master's board (the repository API)
+    repository = Follower(balance.repository, balance.slot, list(runner.engines), runner.serve, runner.serving,
+                          balance.live_slots)
+    app.extensions[current.EXTENSION] = DataPlane(settings, runner, orchestrator, balance, who, repository)
     for blueprint in (hooks.bp, routes.bp, *protocols.BLUEPRINTS, openapi.bp, ui.bp):
         app.register_blueprint(blueprint)
     app.config.update(werkzeug_limits(settings))
@@ -77,5 +81,6 @@ def create_app(settings: Settings | None = None, *, model: Model | None = None,
     app.wsgi_app = guard_body(app.wsgi_app, settings.max_body_bytes,  # type: ignore[method-assign,assignment]
                               settings.body_timeout_s)
     runner.start()
+    repository.start()
     balance.start(readiness=runner)
     return app

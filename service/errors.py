@@ -23,7 +23,7 @@
     │       └── FetchDeadline         the request's deadline ended a fetch: the request answers 504
     ├── ImagesFailed (by its images)  the request failed because of its images (partial=false)
     ├── OverShare (429)               over_share: the caller has its share of the worker's queue; Retry-After
-    ├── Overloaded (503)              overloaded, not_ready; carries Retry-After
+    ├── Overloaded (503)              overloaded, not_ready, model_unavailable (unloaded through the repository API); Retry-After
     │   └── OutOfMemory               out_of_memory: one image alone did not fit in the device's memory
     ├── DeadlineExceeded (504)        deadline_exceeded
     ├── ClientGone (499)              client_closed_request: the client disconnected; its work stopped

@@ -8,6 +8,7 @@ import os
 from dataclasses import dataclass
 
 from service.balance.memo import SharedMemo
+from service.balance.repository import SharedRepository
 
 SLOTS = 256  # more than any worker count; a dead worker's slot is reused by its replacement
 # The load a worker publishes while it must not be deferred to: its model is loading or failed, or it is
@@ -103,6 +104,7 @@ class Seat:
     board: LoadBoard
     slot: int
     memo: SharedMemo | None = None  # what earlier workers of this master measured (``memo``)
+    repository: SharedRepository | None = None  # which configured models the workers serve (``repository``)
 
     def release(self) -> None:
         self.board.release(self.slot)

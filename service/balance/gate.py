@@ -32,10 +32,11 @@ from typing import Any, Protocol
 
 import gevent
 
-from service.balance.board import UNAVAILABLE, Seat
+from service.balance.board import SLOTS, UNAVAILABLE, Seat
 from service.balance.doorbell import Doorbell
 from service.balance.memo import SharedMemo
 from service.balance.priority import BootPriority
+from service.balance.repository import SharedRepository
 from service.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -103,11 +104,25 @@ class Balance:
         self._bell: Doorbell | None = None  # from ``start``, on a board
         self._was_ahead = False
         self._answerer: gevent.Greenlet | None = None
+        self._own_repository: SharedRepository | None = None
 
     @property
     def memo(self) -> SharedMemo | None:
         """What earlier workers of this master measured, for this one to reuse (None outside gunicorn)."""
         return self._seat.memo if self._seat else None
+
+    @property
+    def repository(self) -> SharedRepository:
+        """Which configured models the host's workers serve (a worker's own outside gunicorn)."""
+        if self._seat is not None and self._seat.repository is not None:
+            return self._seat.repository
+        if self._own_repository is None:
+            self._own_repository = SharedRepository(SLOTS)
+        return self._own_repository
+
+    def live_slots(self) -> list[int]:
+        """Every other live worker's slot."""
+        return self._seat.board.others(self.slot) if self._seat else []
 
     @property
     def slot(self) -> int:

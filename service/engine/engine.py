@@ -44,6 +44,7 @@ class Engine:
         self.spec = spec
         self.model = model
         self.load_error: BaseException | None = None
+        self.withdrawn = False  # unloaded through the repository API: its requests are refused
         self._ready = Event()
         if model is not None:
             self._ready.set()

@@ -114,6 +114,38 @@ class Towers:
                 tower.busy -= 1
                 tower.last_used = now
 
+    def changing(self, model: str) -> bool:
+        """Some tower of ``model`` is being loaded or unloaded now."""
+        return any(t.changing is not None for (m, _), t in self._towers.items() if m == model)
+
+    def unload_model(self, model: str) -> gevent.Greenlet:
+        """Every tower of ``model`` out of memory, pinned ones too, once the requests holding them are done
+        (the model is no longer admitted: the repository API unloaded it)."""
+        return gevent.spawn(self._unload_model, model)
+
+    def load_model(self, model: str, done: Callable[[], None]) -> gevent.Greenlet:
+        """Every tower of ``model`` back (a lazy one stays out until used), then ``done()``."""
+        return gevent.spawn(self._load_model, model, done)
+
+    def _unload_model(self, model: str) -> None:
+        for tower in [t for (m, _), t in self._towers.items() if m == model]:
+            while tower.busy or tower.changing is not None:
+                gevent.sleep(0.05)
+            if tower.resident.is_set():
+                self._change(tower, load=False)
+                assert tower.changing is not None
+                tower.changing.join()
+
+    def _load_model(self, model: str, done: Callable[[], None]) -> None:
+        for tower in [t for (m, _), t in self._towers.items() if m == model and t.residency.kind != LAZY]:
+            if tower.changing is not None:
+                tower.changing.join()
+            if not tower.resident.is_set():
+                self._change(tower, load=True)
+                assert tower.changing is not None
+                tower.changing.join()
+        done()
+
     def stop(self) -> None:
         if self._reaper is not None:
             self._reaper.kill()

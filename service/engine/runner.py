@@ -42,7 +42,7 @@ from service.engine.residency import Residency, Tower, Towers
 from service.engine.scheduling import Admission, Limits, Scheduler, Signals
 from service.engine.towers import TowerFile, give_back_freed_memory, tower_files
 from service.engine.types import BatchOutputs, EncodedJpeg, ModelInfo, Tokens
-from service.errors import GreenserveError
+from service.errors import GreenserveError, Overloaded
 from service.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -177,8 +177,28 @@ class Runner:
         return False
 
     def engine(self, name: str | None = None) -> Engine:
-        """A served model's engine (the default without a name); KeyError for a name not served."""
-        return self.engines[name] if name is not None else next(iter(self.engines.values()))
+        """A served model's engine; KeyError for a name not served. Without a name, the default: the first
+        configured model not unloaded through the repository API (unloading the default makes the next one
+        the default: a model switch without an outage, docs/MODELS.md)."""
+        if name is not None:
+            return self.engines[name]
+        engines = list(self.engines.values())
+        return next((e for e in engines if not e.withdrawn), engines[0])
+
+    def serve(self, name: str, want: bool) -> None:
+        """Serve a configured model again, or unload it (the repository API): its towers out of memory, its
+        requests refused with 503 until it is served again. Idempotent: a change under way goes on."""
+        engine = self.engines[name]
+        if not want and not engine.withdrawn:
+            engine.withdrawn = True
+            self.towers.unload_model(name)
+        elif want and engine.withdrawn and not self.towers.changing(name):
+            self.towers.load_model(name, done=lambda: setattr(engine, "withdrawn", False))
+
+    def serving(self, name: str) -> bool:
+        """Whether this worker serves ``name`` now (an unload under way still counts: its memory is still held)."""
+        engine = self.engines[name]
+        return engine.ready and (not engine.withdrawn or self.towers.changing(name))
 
     @property
     def ready(self) -> bool:
@@ -211,6 +231,9 @@ class Runner:
         """Reserve queue slots for a request to ``model`` (the default without one) once the ``towers`` it needs
         are in memory (``residency``): 503 while it loads, or when a tower cannot be back by ``deadline``."""
         engine = self.engine(model)
+        if engine.withdrawn:
+            raise Overloaded(f"the model {engine.name!r} is unloaded on this server; load it with POST "
+                             f"/v2/repository/models/{engine.name}/load", retry_after_s=60, code="model_unavailable")
         if engine.ready:
             self.towers.ensure(engine.name, towers, deadline or time.monotonic() + self.settings.request_timeout_s)
         with self.towers.using(engine.name, towers), \

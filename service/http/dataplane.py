@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 
 from service import metrics
 from service.balance.gate import Balance
+from service.balance.repository import Follower
 from service.engine.residency import PINNED, TTL, Residency
 from service.engine.runner import Runner
 from service.engine.scheduling import NOT_READY_RETRY_S
@@ -62,6 +63,7 @@ class DataPlane:
     orchestrator: Orchestrator
     balance: Balance
     identities: Identities = Identities()  # who a caller is (``context.caller_of``)
+    repository: Follower | None = None  # which configured models the host's workers serve
 
     @property
     def info(self) -> ModelInfo | None:

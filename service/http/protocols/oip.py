@@ -21,7 +21,7 @@ from flask import Blueprint, Response, request
 
 from service import metrics
 from service.engine.types import ModelInfo
-from service.errors import NotFound
+from service.errors import NotFound, Overloaded
 from service.http import current, model_names
 from service.http.body import read as read_body
 from service.http.dataplane import DataPlane
@@ -77,6 +77,29 @@ def repository_index() -> Response:
     states = {"ready": "READY", "loading": "LOADING", "failed": "UNAVAILABLE"}
     return current.json_response([{"name": name, "version": VERSION, "state": states[state]}
                                   for name, (_, _, state) in current.plane().states().items()])
+
+
+@bp.post("/v2/repository/models/<name>/load")
+def repository_load(name: str) -> Response:
+    """Serve a configured model again on every worker (its towers back in memory); 200 once all do."""
+    return _repository(name, serve=True)
+
+
+@bp.post("/v2/repository/models/<name>/unload")
+def repository_unload(name: str) -> Response:
+    """Stop serving a model on every worker and give its memory back; 200 once all have."""
+    return _repository(name, serve=False)
+
+
+def _repository(name: str, *, serve: bool) -> Response:
+    plane = current.plane()
+    _check_model(plane, name, None)
+    read_body()  # Triton's optional parameters (a config to load with) are not offered: the model is configured
+    assert plane.repository is not None
+    if not plane.repository.set(name, serve, REPOSITORY_TIMEOUT_S):
+        raise Overloaded(f"not every worker has {'loaded' if serve else 'unloaded'} {name!r} within "
+                         f"{REPOSITORY_TIMEOUT_S:.0f}s; ask again to wait on", retry_after_s=5, code="not_ready")
+    return current.json_response({})
 
 
 @bp.get(_MODEL + "/ready")
@@ -162,6 +185,9 @@ def _compressed(body: bytes, mimetype: str, headers: dict[str, str]) -> Response
         body = gzip.compress(body, compresslevel=1)
         headers = {**headers, "Content-Encoding": "gzip"}
     return Response(body, headers=headers, mimetype=mimetype)
+
+
+REPOSITORY_TIMEOUT_S = 120.0  # a load of every worker's towers (the first load of a CLIP takes ~10 s on 2 cores)
 
 
 def _check_model(plane: DataPlane, name: str, version: str | None) -> None:
