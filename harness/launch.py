@@ -38,6 +38,7 @@ class ServerProcess:
         self.env = env
         self.cwd = cwd
         self.workers = workers
+        self.models = 1  # "model ready" lines a worker logs (one per model it serves)
         self.port = port
         self.ready_timeout_s = ready_timeout_s
         fd, log_path = tempfile.mkstemp(prefix=f"{self.kind}-", suffix=".log")
@@ -66,7 +67,7 @@ class ServerProcess:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"{self.kind} exited with {self.proc.returncode}:\n{self.log()}")
-            if self.log().count(self.ready_line) >= self.workers:
+            if self.log().count(self.ready_line) >= self.workers * self.models:
                 return self
             time.sleep(0.2)
         self.stop()
@@ -113,6 +114,8 @@ class GunicornServer(ServerProcess):
         child_env.update({"GREENSERVE_BIND": f"127.0.0.1:{port}", "GREENSERVE_WORKERS": str(workers),
                           "PYTHONUNBUFFERED": "1", **env})
         super().__init__(child_env, workers=workers, port=port, ready_timeout_s=ready_timeout_s, cwd=cwd)
+        # each worker says "model ready" once per model it serves (GREENSERVE_MODELS: name=model, ...)
+        self.models = max(1, len([m for m in child_env.get("GREENSERVE_MODELS", "").split(",") if m.strip()]))
         self.extra_args = extra_args or []
 
     def command(self) -> list[str]:

@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 from service import metrics
 from service.balance.gate import Balance
 from service.balance.repository import Follower
+from service.engine.engine import Engine
 from service.engine.residency import PINNED, TTL, Residency
 from service.engine.runner import Runner
 from service.engine.scheduling import NOT_READY_RETRY_S
@@ -87,8 +88,7 @@ class DataPlane:
     def states(self) -> dict[str, tuple[str, ModelInfo | None, str]]:
         """Every served model by name: (its configured model, its description once loaded, ready | loading |
         failed)."""
-        return {name: (e.spec.model, e.info, "ready" if e.ready else "failed" if e.load_error else "loading")
-                for name, e in self.runner.engines.items()}
+        return {name: (e.spec.model, e.info, _state(e)) for name, e in self.runner.engines.items()}
 
     def residency(self, model: str) -> dict[str, dict[str, str]]:
         """Each tower of ``model``: how it stays in memory (pinned, lazy, ttl:<s>), and whether it is now."""
@@ -98,12 +98,16 @@ class DataPlane:
                         "state": self.runner.towers.state(engine.name, tower)} for tower in towers}
 
     def info_of(self, model: str | None = None) -> ModelInfo | None:
-        """A served model's description (the default's without a name); None while it loads."""
-        return self.runner.engine(model).info
+        """A served model's description (the default's without a name); None while it loads, or unloaded."""
+        engine = self.runner.engine(model)
+        return None if engine.withdrawn else engine.info
 
     def require_info(self, model: str | None = None) -> ModelInfo:
-        """A served model's description, or the 503 admission gives while it loads."""
+        """A served model's description, or the 503 admission gives while it loads (or is unloaded)."""
         info = self.info_of(model)
+        if info is None and self.runner.engine(model).withdrawn:
+            raise Overloaded(f"the model {self.runner.engine(model).name!r} is unloaded on this server; load it "
+                             "with POST /v2/repository/models/<name>/load", retry_after_s=60, code="model_unavailable")
         if info is None:
             raise Overloaded(f"the model {self.runner.engine(model).name!r} is still loading on this worker; retry "
                              "shortly", retry_after_s=NOT_READY_RETRY_S, code="not_ready")
@@ -191,6 +195,12 @@ def check_task(info: ModelInfo | None, req: InferenceRequest, task: str) -> None
 def _size(req: InferenceRequest) -> int:
     """A request's images, or its texts: what the access line counts."""
     return len(req.refs) or len(req.text.texts)
+
+
+def _state(engine: Engine) -> str:
+    if engine.withdrawn:
+        return "unloaded"
+    return "ready" if engine.ready else "failed" if engine.load_error else "loading"
 
 
 def _policy(residency: Residency | None) -> str:

@@ -224,7 +224,7 @@ def _probes() -> dict[str, Schema]:
                          ("object", "models", "data")),
         "ModelCardLoading": obj({"id": string, "object": {"const": "model"}, "created": _integer(), "owned_by": string,
                                  "name": string, "model": string, "ready": {"const": False},
-                                 "state": {"enum": ["loading", "failed"]}},
+                                 "state": {"enum": ["loading", "failed", "unloaded"]}},
                                 ("id", "object", "created", "owned_by", "name", "model", "ready", "state"),
                                 description="a served model not loaded (yet) on this worker"),
         "ModelListLoading": obj({"object": {"const": "list"}, "data": {"type": "array", "items": ref("ModelCardLoading")},

@@ -74,7 +74,7 @@ def models() -> Response:
 @bp.post("/v2/repository/index")
 def repository_index() -> Response:
     """Every served model and its state on this worker."""
-    states = {"ready": "READY", "loading": "LOADING", "failed": "UNAVAILABLE"}
+    states = {"ready": "READY", "loading": "LOADING", "failed": "UNAVAILABLE", "unloaded": "UNAVAILABLE"}
     return current.json_response([{"name": name, "version": VERSION, "state": states[state]}
                                   for name, (_, _, state) in current.plane().states().items()])
 
