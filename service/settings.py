@@ -86,6 +86,8 @@ class Settings:
                           "the README's model families", section="Model")
     weights: str = _setting("auto", "auto | imagenet | random | a file (state dict, TorchScript, open_clip checkpoint) | an "
                             "open_clip pretrained tag in the local cache (laion2b_s34b_b79k)", section="Model")
+    max_resident_towers: int = _setting(0, "towers a worker keeps in memory across its models; past it, the least recently "
+                                        "used one not pinned is unloaded first (0 = no cap)", section="Model", parse="int", lo=0)
     models: str = _setting("", "several models: name=model[@weights], comma-separated, the default first (replaces "
                            "GREENSERVE_MODEL; each weights default GREENSERVE_WEIGHTS)", section="Model")
     device: str = _setting("auto", "cpu | cuda | cuda:N | auto (cuda when present, workers spread over GPUs)", section="Model")

@@ -68,8 +68,9 @@ class Tower:
 class Towers:
     """Every tower of a worker's models, loaded and unloaded in ``pool`` (the worker's loader thread)."""
 
-    def __init__(self, pool: ThreadPool) -> None:
+    def __init__(self, pool: ThreadPool, max_resident: int = 0) -> None:
         self._pool = pool
+        self._max_resident = max_resident  # GREENSERVE_MAX_RESIDENT_TOWERS (0: no cap)
         self._towers: dict[tuple[str, str], Tower] = {}
         self._reaper: gevent.Greenlet | None = None
 
@@ -77,6 +78,8 @@ class Towers:
         self._towers[(tower.model, tower.name)] = tower
         if tower.residency.kind == LAZY:
             self._change(tower, load=False)
+        else:
+            self._make_room(tower)
         if tower.residency.kind == TTL and self._reaper is None:
             self._reaper = gevent.spawn(self._reap_forever)
 
@@ -96,6 +99,7 @@ class Towers:
                     raise Overloaded(f"the {name} tower of {model!r} {why}; retry shortly",
                                      retry_after_s=tower.load_s, code="not_ready")
                 if tower.changing is None:
+                    self._make_room(tower)
                     self._change(tower, load=True)
                 assert tower.changing is not None
                 tower.changing.join(timeout=left)  # an unload under way ends first, then it loads
@@ -159,6 +163,16 @@ class Towers:
                 if (tower.residency.kind == TTL and tower.resident.is_set() and not tower.busy
                         and tower.changing is None and now - tower.last_used >= tower.residency.ttl_s):
                     self._change(tower, load=False)
+
+    def _make_room(self, coming: Tower) -> None:
+        """Under GREENSERVE_MAX_RESIDENT_TOWERS, unload the least recently used towers that are not pinned (nor
+        held by a request) until ``coming`` fits; pinned ones alone may still go past the cap."""
+        while self._max_resident:
+            resident = [t for t in self._towers.values() if t is not coming and t.resident.is_set()]
+            spare = [t for t in resident if t.residency.kind != PINNED and not t.busy and t.changing is None]
+            if len(resident) < self._max_resident or not spare:
+                return
+            self._change(min(spare, key=lambda t: t.last_used), load=False)
 
     def _change(self, tower: Tower, *, load: bool) -> None:
         if not load:

@@ -70,7 +70,7 @@ class Runner:
         self._decode_pool = ThreadPool(settings.decode_threads_per_worker())
         self._spare_decode = ThreadPool(1)  # a caller's first image while every decode thread is another's
         self._loader_pool = ThreadPool(1)  # towers loaded again and unloaded, beside the inference thread
-        self.towers = Towers(self._loader_pool)
+        self.towers = Towers(self._loader_pool, settings.max_resident_towers)
         self._tower_dir = Path(settings.cache_directory()) / "towers"
         # below the hub (HTTP, health checks) come the model, then decode: see ``cores.lower_priority``
         self._inference_nice = settings.compute_nice // 2

@@ -111,3 +111,22 @@ def test_a_request_past_its_deadline_or_a_failed_load_is_503_not_ready() -> None
     quiet()
     with pytest.raises(Overloaded, match="failed to load"):
         failing.ensure("clip", ("image",), time.monotonic() + 5)
+
+
+def test_past_the_cap_the_least_recently_used_tower_not_pinned_is_unloaded_first() -> None:
+    events: list[str] = []
+    all_towers = Towers(ThreadPool(1), max_resident=2)
+
+    def tower(model: str, kind: str) -> Tower:
+        return Tower(model, "image", Residency(kind, 600), lambda: events.append(f"load {model}"),
+                     lambda: events.append(f"unload {model}") or 1, load_s=0.5)
+
+    pinned, older, newer = tower("pinned", PINNED), tower("older", TTL), tower("newer", TTL)
+    for t in (pinned, older, newer):
+        all_towers.add(t)  # the third goes past the cap: the least recently used one not pinned goes
+    until(lambda: events == ["unload older"], what="older unloaded to make room")
+    with all_towers.using("newer", ("image",)):
+        all_towers.ensure("older", ("image",), time.monotonic() + 5)  # newer is held: nothing can go
+    assert events == ["unload older", "load older"] and all_towers.state("newer", "image") == "resident"
+    all_towers.ensure("older", ("image",), time.monotonic() + 5)
+    all_towers.stop()
