@@ -49,6 +49,12 @@ CALLER_REQUESTS = Counter("greenserve_caller_requests_total", "Requests by how t
                           "caller class: token, header, forwarded, address), never by caller", ["source"])
 CALLERS_TRACKED = Gauge("greenserve_callers_tracked", "Callers a worker keeps anything of (admitted work, or among the "
                         "last few admitted): bounded whatever the number of callers", multiprocess_mode="livesum")
+MODEL_REQUESTS = Counter("greenserve_model_requests_total", "Requests by served model (GREENSERVE_MODELS' names)",
+                         ["model"])
+MODEL_IMAGES = Counter("greenserve_model_images_total", "Images asked of each served model", ["model"])
+TOWER_BYTES = Gauge("greenserve_tower_resident_bytes", "What each tower holds in memory, summed over live workers "
+                    "(mapped pages of its file count where they are touched)", ["model", "tower"],
+                    multiprocess_mode="livesum")
 TOWER_LOADS = Counter("greenserve_tower_loads_total", "Towers loaded again after an unload (or first loaded, lazy)",
                       ["model", "tower"])
 TOWER_UNLOADS = Counter("greenserve_tower_unloads_total", "Towers unloaded (lazy at start, or idle past their TTL)",

@@ -52,8 +52,9 @@ class Tower:
     """One tower's residency (the hub's state): whether it is in memory, and who uses it."""
 
     def __init__(self, model: str, name: str, residency: Residency, load: Callable[[], None],
-                 unload: Callable[[], int], load_s: float) -> None:
+                 unload: Callable[[], int], load_s: float, nbytes: int = 0) -> None:
         self.model, self.name, self.residency = model, name, residency
+        self.nbytes = nbytes  # what it holds while loaded
         self._load, self._unload = load, unload
         self.resident = Event()
         self.resident.set()  # built with its model; a lazy tower is unloaded right after (``Towers.add``)
@@ -76,6 +77,7 @@ class Towers:
 
     def add(self, tower: Tower) -> None:
         self._towers[(tower.model, tower.name)] = tower
+        metrics.TOWER_BYTES.labels(tower.model, tower.name).set(tower.nbytes)
         if tower.residency.kind == LAZY:
             self._change(tower, load=False)
         else:
@@ -188,10 +190,12 @@ class Towers:
                 tower.load_s = time.monotonic() - started
                 tower.resident.set()
                 metrics.TOWER_LOADS.labels(tower.model, tower.name).inc()
+                metrics.TOWER_BYTES.labels(tower.model, tower.name).set(tower.nbytes)
                 log.info("%s: %s tower loaded again in %.2fs", tower.model, tower.name, tower.load_s)
             else:
                 freed = self._pool.apply(tower._unload)
                 metrics.TOWER_UNLOADS.labels(tower.model, tower.name).inc()
+                metrics.TOWER_BYTES.labels(tower.model, tower.name).set(0)
                 log.info("%s: %s tower unloaded (%s, %.0f MB)", tower.model, tower.name, tower.residency.kind,
                          freed / 1e6)
         except gevent.GreenletExit:

@@ -129,7 +129,7 @@ class Runner:
         for tower, file in files.items():
             self.towers.add(Tower(engine.name, tower, engine.spec.residency.get(tower, Residency()),
                                   functools.partial(self._reload, engine, tower, file),
-                                  functools.partial(_unload, file), info.load_seconds))
+                                  functools.partial(_unload, file), info.load_seconds, file.nbytes()))
 
     def _reload(self, engine: Engine, tower: str, file: TowerFile) -> None:
         """In the loader thread: a tower's tensors mapped back, and one forward through it (first-call costs)."""

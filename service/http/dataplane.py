@@ -137,7 +137,7 @@ class DataPlane:
         """The native response body for ``task``: ``{"model", "data", "errors", "timings_ms", "request_id"}``;
         ``progress`` hears of each image's answer as it is ready (a streamed answer)."""
         check_task(self.info_of(req.model), req, task)
-        metrics.CALLER_REQUESTS.labels(ctx.caller_source).inc()
+        self._count(ctx, req)
         tally = self._tally(ctx, req)
         with cancel_on_hang_up(self._client(ctx)):
             body = self.orchestrator.run(req, task, deadline=ctx.deadline(self.settings.request_timeout_s, timeout_s),
@@ -151,13 +151,19 @@ class DataPlane:
         """Each image's raw row (features and logits from one forward), for protocols with their own outputs."""
         for task in tasks:
             check_task(self.info_of(req.model), req, task)
-        metrics.CALLER_REQUESTS.labels(ctx.caller_source).inc()
+        self._count(ctx, req)
         tally = self._tally(ctx, req)
         with cancel_on_hang_up(self._client(ctx)):
             rows = self.orchestrator.run_rows(req, deadline=ctx.deadline(self.settings.request_timeout_s, timeout_s),
                                               request_id=ctx.request_id, caller=ctx.caller, tally=tally)
         _observe(rows.timings_ms)
         return rows, Served(_size(req), rows.timings_ms, tally)
+
+    def _count(self, ctx: RequestContext, req: InferenceRequest) -> None:
+        metrics.CALLER_REQUESTS.labels(ctx.caller_source).inc()
+        model = self.runner.engine(req.model).name  # a configured name: the label's values are bounded
+        metrics.MODEL_REQUESTS.labels(model).inc()
+        metrics.MODEL_IMAGES.labels(model).inc(len(req.refs))
 
     def _tally(self, ctx: RequestContext, req: InferenceRequest) -> CacheTally | None:
         """A record of what the cache does for ``req``'s images; None when the cache is off or there are
