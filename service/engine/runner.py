@@ -33,7 +33,7 @@ from service.engine.cores import CorePlan, Siblings, lower_priority
 from service.engine.forwarding import BatchStats
 from service.engine.preemption import Preemption
 from service.engine.scheduling import Admission, Limits, Scheduler, Signals
-from service.engine.types import BatchOutputs, EncodedJpeg, ModelInfo, Tokens
+from service.engine.types import BatchOutputs, EncodedJpeg, ModelInfo, ModelLoadError, Tokens
 from service.errors import GreenserveError
 from service.settings import Settings
 
@@ -100,6 +100,9 @@ class Runner:
         self._loader = loader
         self.model: Model | None = model
         self.load_error: BaseException | None = None
+        # a load error no retry fixes (the settings name a model or weights that cannot load): the worker
+        # ends the server with it (``service.balance.gunicorn_worker``)
+        self.fatal_error: ModelLoadError | None = None
         self._ready = Event()
         self._loading: gevent.Greenlet | None = None
         if model is not None:
@@ -116,13 +119,18 @@ class Runner:
 
     def _load(self) -> None:
         try:
-            self.model = self._infer_pool.apply(self._load_in_thread)
+            loaded = self._infer_pool.apply(self._load_in_thread)
         except gevent.GreenletExit:  # the worker is exiting (``close``): not a failed load
             raise
         except BaseException as exc:  # logged loudly; /readyz stays 503 and says why
             self.load_error = exc
             log.critical("model failed to load: %s", exc, exc_info=True)
             return
+        if isinstance(loaded, ModelLoadError):  # one line: its message says what to change
+            self.load_error = self.fatal_error = loaded
+            log.critical("cannot serve: %s", loaded)
+            return
+        self.model = loaded
         info = self.model.info
         metrics.MODEL_LOAD_SECONDS.set(info.load_seconds)
         log.info("model ready: %s (%s weights) on %s in %s, embedding_dim=%s, %d labels, loaded in %.2fs",
@@ -130,10 +138,13 @@ class Runner:
                  info.load_seconds)
         self._ready.set()
 
-    def _load_in_thread(self) -> Model:
+    def _load_in_thread(self) -> Model | ModelLoadError:
         assert self._loader is not None
         lower_priority(self._inference_nice)  # before torch starts its threads: they inherit it
-        model = self._loader()
+        try:
+            model = self._loader()
+        except ModelLoadError as exc:  # returned: raised, gevent would print its traceback, burying the message
+            return exc
         module = getattr(model, "module", None)  # ``LoadedModel.module``; test doubles have none
         if self._preemption is not None and isinstance(module, nn.Module):
             log.debug("%d preemption points in the model", self._preemption.install(module))
