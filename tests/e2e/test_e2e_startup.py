@@ -100,7 +100,7 @@ def probe(port: int, path: str) -> tuple[int | str, float]:
 def test_probes_answer_within_100_ms_throughout_a_clip_start(clip_checkpoint: Path) -> None:
     """Every 50 ms a /healthz and a /readyz, each on a new connection, from the master's start until the model
     serves: 200 and 503 while it loads, within 100 ms each, from the moment a worker first takes a connection
-    (the port is bound a moment before: the worker imports greenserve and builds its app, ~0.5 s)."""
+    (the port is bound a moment before: the worker imports greenserve and builds its app, 0.6-1.3 s here)."""
     srv = GunicornServer({"GREENSERVE_MODEL": f"open_clip:{CLIP_ARCH}", "GREENSERVE_WEIGHTS": str(clip_checkpoint)},
                          workers=2)
     rows: list[tuple[float, str, int | str, float]] = []
