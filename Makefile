@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 # The torch pair that installs together on the reference machine kind (CPU inference works with it).
 TORCH_PINS := torch==2.14.1 torchvision==0.29.1
 # Where torch comes from: the index pip is set up with (PyPI's Linux torch brings CUDA's libraries and triton,
-# 4.1 GB of a 5.4 GB runtime .venv), or https://download.pytorch.org/whl/cpu for the CPU-only build, as the
+# 4.1 GB of a 5.6 GB runtime .venv), or https://download.pytorch.org/whl/cpu for the CPU-only build, as the
 # Containerfile does by default.
 TORCH_INDEX_URL ?=
 # One stamp per set of packages: a .venv made by `make serve` gets the tests' packages when `make test` runs.

@@ -13,14 +13,18 @@ import time
 
 from gunicorn import systemd
 
-from service import logs
+from service import catalog, logs
 from service.balance.board import SLOTS, LoadBoard, Seat
 from service.balance.memo import SharedMemo
 from service.balance.repository import SharedRepository
+from service.engine.model_set import model_set
 from service.preimport import preimport
-from service.settings import Settings
+from service.settings import Settings, SettingsError
 
-_settings = Settings.from_env()  # bad values stop the master at start-up, naming the variable
+try:
+    _settings = Settings.from_env()
+except SettingsError as exc:  # a bad value stops the master in one line naming the variable, not a traceback
+    raise SystemExit(f"greenserve: {exc}") from None
 
 # torch's OpenMP runtime (libgomp) keeps each of its threads spinning on a core for ~300,000 rounds after
 # every parallel region before it sleeps: 5-6 ms after each forward, measured on this project's 2-core
@@ -62,11 +66,21 @@ control_socket_disable = True
 
 
 def on_starting(server):
-    """Before any fork: a fresh prometheus multiprocess directory, the shared load board and the memo of
-    measured choices that replacements after a HUP or a respawn read (``service.balance.memo``). A stop clears
-    the board's reload stamp before the master signals its workers: stopped within a reload's graceful
-    timeout, they must drain at once, not wait to hand over to replacements that will never come. gunicorn
-    has no hook before it signals, hence the wrapper."""
+    """Before any fork and before the port is bound: the model's libraries imported, and GREENSERVE_MODEL
+    checked against its family's list (a typo stops here in one line, not after every worker's load); a fresh
+    prometheus multiprocess directory, the shared load board and the memo of measured choices that
+    replacements after a HUP or a respawn read (``service.balance.memo``). A stop clears the board's reload
+    stamp before the master signals its workers: stopped within a reload's graceful timeout, they must drain
+    at once, not wait to hand over to replacements that will never come. gunicorn has no hook before it
+    signals, hence the wrapper."""
+    # after GOMP_SPINCOUNT is set above: libgomp reads it when torch loads
+    took = sum(preimport(spec.model) for spec in model_set(_settings))
+    server.log.info("imported the models' libraries in %.1fs, once for every worker", took)
+    try:
+        for spec in model_set(_settings):  # every served model's name, before any worker loads one
+            catalog.check(spec.model)
+    except SettingsError as exc:
+        raise SystemExit(f"greenserve: {exc}") from None
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="greenserve-metrics-")
     server.greenserve_board = board = LoadBoard()
     server.greenserve_memo = SharedMemo()
@@ -78,8 +92,6 @@ def on_starting(server):
         stop(graceful)
 
     server.stop = stopping
-    # after GOMP_SPINCOUNT is set above: libgomp reads it when torch loads
-    server.log.info("imported the model's libraries in %.1fs, once for every worker", preimport(_settings.model))
 
 
 def on_reload(server):

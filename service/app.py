@@ -24,9 +24,9 @@ from service.balance.gate import Balance, Policy
 from service.balance.repository import Follower
 from service.cache import fleet, tiers
 from service.cache.tiers import EmbeddingCache
-from service.engine.catalog import model_set
 from service.engine.engine import Model
 from service.engine.loading import import_family, load_for_worker
+from service.engine.model_set import model_set
 from service.engine.runner import Runner
 from service.http import current, hooks, openapi, protocols, routes, ui
 from service.http.connection import guard_body, werkzeug_limits

@@ -5,7 +5,7 @@
                                         put an open_clip checkpoint into the local (Hugging Face) cache
     greenserve download-weights timm:NAME   timm's pretrained file, into the same cache
     greenserve settings [--markdown]    every GREENSERVE_* setting with its default (the README's tables)
-    greenserve models                   the models that can be served (torchvision, open_clip, timm)
+    greenserve models [PATTERN]         the models each family can serve: an overview, or the names that match
     greenserve export MODEL --out F     a checkpoint already in the serving layout (shared by workers)
     greenserve cache stats|clear        the embedding cache GREENSERVE_CACHE names (disk or redis): its entries
                                         and bytes as JSON, or every entry removed
@@ -19,6 +19,7 @@ import os
 import re
 import sys
 
+from service import catalog
 from service.settings import Settings, SettingsError
 from service.settings_docs import settings_table
 
@@ -48,6 +49,7 @@ def download_weights(name: str, *, url: str | None = None, verify_hash: bool = T
 
 
 def _download(args: argparse.Namespace) -> str:
+    catalog.check(args.model)
     if args.model.startswith("timm:"):
         from service.engine.timm_family import download as download_timm
 
@@ -79,13 +81,17 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="greenserve", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     dl = sub.add_parser("download-weights", help="download pretrained weights into the torch cache")
-    dl.add_argument("model", help="torchvision model name (resnet50) or open_clip:ARCH (open_clip:ViT-B-32)")
+    dl.add_argument("model", help="torchvision model name (resnet50), open_clip:ARCH (open_clip:ViT-B-32) or timm:NAME")
     dl.add_argument("--pretrained", help="open_clip pretrained tag, e.g. laion2b_s34b_b79k")
     dl.add_argument("--url", help="mirror URL of the same file (default: torchvision's)")
     dl.add_argument("--no-verify-hash", action="store_true", help="skip the SHA-256 prefix check")
     st = sub.add_parser("settings", help="show settings (current values, or the README table)")
     st.add_argument("--markdown", action="store_true", help="print the Markdown table of all settings")
-    sub.add_parser("models", help="list servable torchvision classification models")
+    mo = sub.add_parser("models", help="the models each family (torchvision, open_clip, timm) can serve: an overview, "
+                        "or every name matching PATTERN")
+    mo.add_argument("pattern", nargs="?", help="shell-style, any case, with or without the family: 'resnet*', "
+                    "'open_clip:*L-14*'")
+    mo.add_argument("--family", choices=catalog.FAMILIES, help="only this family's names (all of them without PATTERN)")
     ex = sub.add_parser("export", help="write a checkpoint in the serving layout (shared across workers)")
     ex.add_argument("model", help="torchvision model name, e.g. resnet50")
     ex.add_argument("--weights", default="auto", help="auto | imagenet | random | state-dict path")
@@ -100,17 +106,18 @@ def _run(argv: list[str] | None) -> int:
     args = _parser().parse_args(argv)
 
     if args.command == "download-weights":
-        print(_download(args))
+        return _download_weights(args)
     elif args.command == "settings":
         if args.markdown:
             print(settings_table())
         else:
             try:
-                values = Settings.from_env().describe()
+                settings = Settings.from_env()
+                catalog.check(settings.model)  # the server's master checks the name the same way
             except SettingsError as exc:
                 print(f"error: {exc}", file=sys.stderr)
                 return 2
-            for key, value in values.items():
+            for key, value in settings.describe().items():
                 print(f"GREENSERVE_{key.upper()}={value}")
     elif args.command == "cache":
         return _cache(args.action)
@@ -120,13 +127,37 @@ def _run(argv: list[str] | None) -> int:
         info = export_checkpoint(args.model, args.weights, args.out, channels_last=not args.no_channels_last)
         print(" ".join(f"{k}={v}" for k, v in info.items()))
     elif args.command == "models":
-        import timm
+        return _models(args.pattern, args.family)
+    return 0
 
-        from service.engine.open_clip_family import architectures
-        from service.engine.torchvision_family import classification_models
 
-        print("\n".join([*classification_models(), *(f"open_clip:{a}" for a in architectures()),
-                         *(f"timm:{n}" for n in timm.list_models())]))
+def _download_weights(args: argparse.Namespace) -> int:
+    """One line, not a traceback, when the name is wrong or the file cannot be fetched (offline, say)."""
+    from service.engine.types import ModelLoadError
+
+    try:
+        print(_download(args))
+    except (SettingsError, ModelLoadError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:  # no network (URLError), the hub unreachable or without the file
+        reason = " ".join(str(exc).split()).split(". ")[0][:200]  # the first sentence: the hub's run on
+        print(f"error: could not download the weights of {args.model} ({reason}); run this on a machine with "
+              "internet and copy its cache here (docs/MODELS.md#real-weights)", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _models(pattern: str | None, family: str | None) -> int:
+    if pattern is None and family is None:
+        print(catalog.overview())
+        return 0
+    families = (family,) if family else catalog.FAMILIES
+    found = catalog.matching(pattern or "*", families)
+    print("\n".join(found))
+    if not found:
+        print(f"no model matches {pattern!r}; `greenserve models` shows a few of each family", file=sys.stderr)
+        return 1
     return 0
 
 

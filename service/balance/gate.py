@@ -1,8 +1,11 @@
 """One worker's side of balancing: its connections, its load on the board, and whether it accepts.
 
-    accepts     a worker accepts only while it serves: its model is ready (or failed with no sibling to
-                take over, so ``/readyz`` can say why), it is not shutting down, and, with the accept gate
-                on, no sibling has less load; then the kernel hands new connections to that sibling. One
+    accepts     a worker accepts only while it serves: its model is ready, it is not shutting down, and,
+                with the accept gate on, no sibling has less load; then the kernel hands new connections to
+                that sibling. While no sibling serves (the server is starting), a worker whose model loads or
+                failed accepts too, so probes are answered at once (``/healthz`` 200, ``/readyz`` 503 and why)
+                instead of waiting in the kernel's queue for the load; beside a serving sibling (a reload, a
+                respawn) it leaves every connection to the sibling, so no request meets 503 not_ready. One
                 that gets ahead rings its siblings' doorbells (``doorbell``), and they look again at once;
                 it stays open while none of them accepts (up to a bound that grows with the burst), so a
                 burst does not wait in the kernel for a sibling's tick
@@ -67,7 +70,7 @@ class Readiness(Protocol):
     def ready(self) -> bool: ...
 
     @property
-    def load_error(self) -> BaseException | None: ...
+    def fatal_error(self) -> BaseException | None: ...
 
     def close(self, timeout_s: float) -> bool: ...
 
@@ -231,6 +234,14 @@ class Balance:
         """Asked at each accept: the decision from the siblings' loads now (the last tick may be 20 ms old)."""
         return self.apply()
 
+    def fatal_error(self) -> BaseException | None:
+        """The model's load failed in a way no retry fixes, and no sibling serves: the worker ends the server
+        with it. None while a sibling serves (a replacement after a reload): the server goes on serving."""
+        error = self._readiness.fatal_error if self._readiness is not None else None
+        if error is None or self._seat is not None and self._seat.board.any_serving(self.slot):
+            return None
+        return error
+
     # ------------------------------------------------------------------ the view the engine reads
 
     def siblings_idle(self) -> bool:
@@ -280,9 +291,8 @@ class Balance:
         serving = self._serving()
         if serving and self._boot is not None and self._boot.lowered:
             self._boot.restore()  # before the first connection: it serves at its normal priority
-        if not serving:
-            # failed to load: take connections only when no sibling can, so /readyz tells why
-            return self._failed() and (least is None or least >= UNAVAILABLE), False
+        if not serving:  # loading or failed: take connections only while no sibling can (the docstring says why)
+            return self._readiness is not None and (least is None or least >= UNAVAILABLE), False
         if not self.policy.accept_gate or least is None or load <= least or self._seat is None:
             return True, False
         # Ahead of a sibling: close, unless no sibling accepts now (it is closed, and its doorbell rung) and
@@ -294,9 +304,6 @@ class Balance:
 
     def _serving(self) -> bool:
         return not self._closing and self._readiness is not None and self._readiness.ready
-
-    def _failed(self) -> bool:
-        return self._readiness is not None and self._readiness.load_error is not None
 
     def _should_shed(self, conn: Any, first: bool) -> bool:
         """Only a connection kept alive from an earlier request is shed: a new one was just placed by the

@@ -14,22 +14,34 @@ A master that dies (``kill -9``) is a graceful stop too: the kernel sends the wo
 every request in flight, this one stops accepting, finishes what it holds within the graceful timeout and
 exits.
 
+A model that cannot load for good (an unknown name, missing weights: ``Runner.fatal_error``) ends the server
+while no sibling serves: the worker exits with gunicorn's boot-error status, and the master stops every worker
+and exits with it. The worker's one log line above says what to change.
+
 However it stops, the worker ends the model's native threads before the interpreter finalizes (a stop
 during the model's load used to abort every worker: ``Runner.close`` says why).
+
+A client that does not read its answers is bounded: the kernel keeps at most ``SEND_LOWAT`` of a connection's
+answer unsent, so the rest waits in the worker, where the answer's send bound (the request's deadline,
+``service/http/connection.py``) ends the write; the worker then closes the connection, and the requests the
+client pipelined behind are never run.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import os
 import signal
+import socket
 import sys
 import time
 from typing import Any
 
 import gevent
 from gevent.server import StreamServer
+from gunicorn.arbiter import Arbiter
 from gunicorn.workers import ggevent
 from gunicorn.workers.base import Worker
 
@@ -40,6 +52,11 @@ from service.settings import Settings
 
 _current: Balance | None = None
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
+# What the kernel keeps of a connection's answer not yet sent (TCP_NOTSENT_LOWAT): past it a write waits in
+# the worker, under the answer's send bound. Without it the kernel held 4.2 MB of answers for a client that read
+# nothing (tests/e2e/test_e2e_streaming.py); 128 KiB still keeps a fast link busy (bytes in flight do not count).
+SEND_LOWAT = 128 << 10
+TCP_NOTSENT_LOWAT = getattr(socket, "TCP_NOTSENT_LOWAT", 25)  # linux/tcp.h
 # At exit, how long a model load or forward still running may take before the worker exits without
 # finalizing. Nobody waits for its result by then; this only lets the interpreter finish cleanly.
 ENGINE_STOP_S = 2.0
@@ -112,6 +129,10 @@ class GreenserveWorker(ggevent.GeventWorker):  # type: ignore[misc]  # nor gunic
                              "holds and exits", self.ppid)
             self.stop_listening()
             self.alive = False
+        if self.balance.fatal_error() is not None:  # nothing to finish: no model ever served here
+            self.stop_listening()
+            self._exit_now("worker %s cannot load its model (above) and no sibling serves: the server stops",
+                           self.pid, status=Arbiter.WORKER_BOOT_ERROR)
 
     def run(self) -> None:
         # GeventWorker.run builds its servers from the module's StreamServer name
@@ -144,13 +165,13 @@ class GreenserveWorker(ggevent.GeventWorker):  # type: ignore[misc]  # nor gunic
             self._exit_now("worker %s exits with the model still busy (a load or a forward nobody waits for)",
                            self.pid)
 
-    def _exit_now(self, message: str, *args: Any) -> None:
-        """Log, flush the logs and exit with status 0 without finalizing the interpreter."""
+    def _exit_now(self, message: str, *args: Any, status: int = 0) -> None:
+        """Log, flush the logs and exit with ``status`` without finalizing the interpreter."""
         self.log.info(message, *args)
         logging.shutdown()
         for stream in (sys.stdout, sys.stderr):
             stream.flush()
-        os._exit(0)
+        os._exit(status)
 
     def stop_listening(self) -> None:
         """Accept nothing more, at once: the gate shut and this worker's listening sockets closed (once every
@@ -161,6 +182,9 @@ class GreenserveWorker(ggevent.GeventWorker):  # type: ignore[misc]  # nor gunic
 
     def handle(self, listener: Any, client: Any, addr: Any) -> None:
         try:
+            if client.family in (socket.AF_INET, socket.AF_INET6):
+                with contextlib.suppress(OSError):  # a kernel without it (before Linux 3.12): the write bound alone
+                    client.setsockopt(socket.IPPROTO_TCP, TCP_NOTSENT_LOWAT, SEND_LOWAT)
             super().handle(listener, client, addr)
         finally:
             self.balance.closed(client)
@@ -170,6 +194,10 @@ class GreenserveWorker(ggevent.GeventWorker):  # type: ignore[misc]  # nor gunic
             req.must_close = True  # gunicorn answers "Connection: close" and closes after the response
         try:
             super().handle_request(listener_name, req, sock, addr)
+        except TimeoutError:  # a write of the answer passed its send bound: the client is not reading
+            self.log.info("closed a connection whose client read too little of its answer within the request's "
+                          "deadline (%s); requests it pipelined behind are not run", addr)
+            raise StopIteration() from None  # gunicorn's loop ends the connection and closes the socket
         finally:
             self.balance.request_done(sock)
 

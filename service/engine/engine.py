@@ -11,7 +11,7 @@ from typing import Any, Protocol, cast
 import numpy as np
 from gevent.event import Event
 
-from service.engine.catalog import ModelSpec
+from service.engine.model_set import ModelSpec
 from service.engine.types import BatchOutputs, EncodedJpeg, ModelInfo, Tokens
 
 

@@ -28,6 +28,12 @@ from service.engine.weights import RANDOM_SEED, adopt, check_all_set, load_state
 log = logging.getLogger(__name__)
 
 TASKS = ("embeddings", "classify", "rank")
+# open_clip's BPE costs O(w²) in a word's length w (a 64-letter run 0.36 ms, 256 letters 12.5 ms, a 2,000-letter
+# label ~0.3 s), and it caches every word it has seen for ever. No word of a language is this long; a longer run
+# of letters or of punctuation (a hash, base64) is read to its first MAX_WORD_CHARS characters, and its text
+# counts as truncated. The cache is emptied past BPE_CACHE_WORDS (docs/SIZING.md, Texts).
+MAX_WORD_CHARS = 64
+BPE_CACHE_WORDS = 100_000
 
 
 def architectures() -> list[str]:
@@ -74,14 +80,30 @@ class ClipText:
         kept: list[int] = []
         cut: list[bool] = []
         for i, text in enumerate(texts):
-            row = [tok.sot_token_id, *tok.encode(text), tok.eot_token_id]
-            cut.append(len(row) > n)
-            if len(row) > n:
-                row = row[:n]
-                row[-1] = tok.eot_token_id
+            body, more = self._first_tokens(text, n - 2)
+            row = [tok.sot_token_id, *body, tok.eot_token_id]
             ids[i, :len(row)] = row
             kept.append(len(row))
+            cut.append(more)
+        if len(tok.cache) > BPE_CACHE_WORDS:  # open_clip keeps every word's BPE for ever: a memory leak
+            tok.cache = {tok.decoder[i]: tok.decoder[i] for i in tok.all_special_ids}
         return Tokens(ids, tuple(kept), tuple(cut))
+
+    def _first_tokens(self, text: str, room: int) -> tuple[list[int], bool]:
+        """open_clip's ``encode(text)[:room]``, and whether the text has more tokens than that: only the words
+        that fill ``room`` go through BPE, and a word longer than ``MAX_WORD_CHARS`` is read to that length
+        (the text then counts as cut). The whole text is cleaned and split (linear, in C)."""
+        tok = self._tokenizer
+        out: list[int] = []
+        long_word = False
+        for match in tok.pat.finditer(tok.clean_fn(text)):
+            if len(out) >= room:  # one more word: at least one more token
+                return out[:room], True
+            word = match.group()
+            long_word |= len(word) > MAX_WORD_CHARS
+            word = "".join(tok.byte_encoder[b] for b in word[:MAX_WORD_CHARS].encode("utf-8"))
+            out.extend(tok.encoder[piece] for piece in tok.bpe(word).split(" "))
+        return out[:room], len(out) > room or long_word
 
     def encode(self, ids: torch.Tensor) -> torch.Tensor:
         if not self._trim:

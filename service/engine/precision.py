@@ -125,8 +125,25 @@ def settle(model: LoadedModel, requested: str, *, cpu_bf16: str = "auto", flags:
     precision = Precision(requested, dtype_name(model.dtype), hardware, reason, tuple(choices), source, by)
     model.info = replace(model.info, dtype=precision.chosen, precision=precision)
     log.info("serving in %s (GREENSERVE_DTYPE=%s): %s", ", ".join(f"{c.tower} {c.numerics}" for c in choices),
-             requested, reason)
+             requested, _summary(precision))
+    log.debug("precision: %s", reason)
     return precision
+
+
+# where a timed choice came from, in the start-up line
+_SOURCES = {"measured": "measured here", "server": "as this server measured it", "fleet": "as the fleet measured it"}
+
+
+def _summary(precision: Precision) -> str:
+    """The start-up line's why: the whole reason when it is short (pinned, or no native low precision); for a
+    timed choice, the hardware, where it came from and each tower's speed-up. Every trial's timings (some 800
+    characters) are in /v1/models and the debug log."""
+    if precision.source not in _SOURCES:
+        return precision.reason
+    faster = ", ".join(f"{c.tower} {t.speedup:.2f}x float32" for c in precision.towers for t in c.trials
+                       if t.numerics == c.numerics)
+    return (f"{precision.hardware}, {_SOURCES[precision.source]}{f' ({faster})' if faster else ''}; every trial: "
+            "/v1/models precision")
 
 
 def _trial(model: LoadedModel, key: str, candidate: torch.dtype, sizes: dict[str, tuple[int, ...]], timer: Timer,

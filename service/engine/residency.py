@@ -12,40 +12,20 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import re
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 
 import gevent
 from gevent.event import Event
 from gevent.threadpool import ThreadPool
 
 from service import metrics
+from service.engine.model_set import LAZY, PINNED, TTL, Residency
 from service.errors import Overloaded
 
 log = logging.getLogger(__name__)
-PINNED, LAZY, TTL = "pinned", "lazy", "ttl"
-_TTL_RE = re.compile(r"^ttl:(\d+(?:\.\d+)?)(s|m|h)?$")
-_UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, None: 1.0}
 REAP_EVERY_S = (1.0, 30.0)  # the TTL sweep runs every quarter TTL, within these bounds
 RETRY_LOAD_S = 5.0  # after a failed load, requests get 503 for this long before one tries again
-
-
-@dataclass(frozen=True)
-class Residency:
-    kind: str = PINNED
-    ttl_s: float = 0.0
-
-    @classmethod
-    def parse(cls, text: str) -> Residency:
-        """``pinned``, ``lazy`` or ``ttl:<seconds>`` (``ttl:600``, ``ttl:10m``, ``ttl:1h``)."""
-        text = text.strip().lower()
-        if text in (PINNED, LAZY):
-            return cls(text)
-        if m := _TTL_RE.match(text):
-            return cls(TTL, float(m.group(1)) * _UNITS[m.group(2)])
-        raise ValueError(f"{text!r} is not pinned, lazy or ttl:<seconds> (ttl:600, ttl:10m)")
 
 
 class Tower:

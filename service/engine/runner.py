@@ -33,15 +33,15 @@ from torch import nn
 
 from service import metrics
 from service.engine.batcher import Batcher
-from service.engine.catalog import model_set
 from service.engine.cores import CorePlan, Siblings, lower_priority
 from service.engine.engine import Engine, Model
 from service.engine.forwarding import BatchStats
+from service.engine.model_set import Residency, model_set
 from service.engine.preemption import Preemption
-from service.engine.residency import Residency, Tower, Towers
+from service.engine.residency import Tower, Towers
 from service.engine.scheduling import Admission, Limits, Scheduler, Signals
-from service.engine.towers import TowerFile, give_back_freed_memory, tower_files
-from service.engine.types import BatchOutputs, EncodedJpeg, ModelInfo, Tokens
+from service.engine.towers import TowerFile, give_back_freed_memory, reload, tower_files, unload
+from service.engine.types import BatchOutputs, EncodedJpeg, ModelInfo, ModelLoadError, Tokens
 from service.errors import GreenserveError, Overloaded
 from service.settings import Settings
 
@@ -95,6 +95,9 @@ class Runner:
         else:
             self.engines = {s.name: Engine(s) for s in model_set(settings)}
         self._loaders = dict(loaders)
+        # a load error no retry fixes (the settings name a model or weights that cannot load): the worker
+        # ends the server with it (``service.balance.gunicorn_worker``)
+        self.fatal_error: ModelLoadError | None = None
         self._loading: gevent.Greenlet | None = None
 
     # ------------------------------------------------------------------ lifecycle
@@ -113,13 +116,19 @@ class Runner:
 
     def _load(self, engine: Engine, loader: Callable[[], Model]) -> None:
         try:
-            model, files = self._infer_pool.apply(self._load_in_thread, (loader,))
+            loaded = self._infer_pool.apply(self._load_in_thread, (loader,))
         except gevent.GreenletExit:  # the worker is exiting (``close``): not a failed load
             raise
         except BaseException as exc:  # logged loudly; /readyz stays 503 and says why
             engine.failed(exc)
             log.critical("model %s failed to load: %s", engine.name, exc, exc_info=True)
             return
+        if isinstance(loaded, ModelLoadError):  # one line: its message says what to change
+            engine.failed(loaded)
+            self.fatal_error = self.fatal_error or loaded
+            log.critical("cannot serve %s: %s", engine.name, loaded)
+            return
+        model, files = loaded
         info = model.info
         metrics.MODEL_LOAD_SECONDS.set(info.load_seconds)
         log.info("model ready: %s (%s weights) on %s in %s, embedding_dim=%s, %d labels, loaded in %.2fs",
@@ -129,22 +138,19 @@ class Runner:
         for tower, file in files.items():
             self.towers.add(Tower(engine.name, tower, engine.spec.residency.get(tower, Residency()),
                                   functools.partial(self._reload, engine, tower, file),
-                                  functools.partial(_unload, file), info.load_seconds, file.nbytes()))
+                                  functools.partial(unload, file), info.load_seconds, file.nbytes()))
 
     def _reload(self, engine: Engine, tower: str, file: TowerFile) -> None:
-        """In the loader thread: a tower's tensors mapped back, and one forward through it (first-call costs)."""
+        """In the loader thread, below the hub like the model: ``towers.reload``."""
         lower_priority(self._inference_nice)
-        file.load()
-        model = cast(Any, engine.model)
-        if tower == "image":
-            crop = model.info.transform.crop_size
-            model.forward(np.zeros((1, crop, crop, 3), np.uint8))
-        else:
-            model.encode_text(model.tokenize(["a photo."]).ids)
+        reload(engine.model, tower, file)
 
-    def _load_in_thread(self, loader: Callable[[], Model]) -> tuple[Model, dict[str, TowerFile]]:
+    def _load_in_thread(self, loader: Callable[[], Model]) -> tuple[Model, dict[str, TowerFile]] | ModelLoadError:
         lower_priority(self._inference_nice)  # before torch starts its threads: they inherit it
-        model = loader()
+        try:
+            model = loader()
+        except ModelLoadError as exc:  # returned: raised, gevent would print its traceback, burying the message
+            return exc
         module = getattr(model, "module", None)  # ``LoadedModel.module``; test doubles have none
         if self._preemption is not None and isinstance(module, nn.Module):
             log.debug("%d preemption points in the model", self._preemption.install(module))
@@ -303,13 +309,6 @@ class Runner:
         lower_priority(self._inference_nice)
         self.cores.apply(engine.model)
         return engine.forward(batch)
-
-
-def _unload(file: TowerFile) -> int:
-    """In the loader thread: the tower's tensors dropped, and what the heap freed given back."""
-    freed = file.unload()
-    give_back_freed_memory()
-    return freed
 
 
 class _Raised:

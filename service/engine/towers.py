@@ -17,7 +17,9 @@ import ctypes
 import os
 import tempfile
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -99,3 +101,21 @@ def give_back_freed_memory() -> None:
     process = ctypes.CDLL(None)  # the symbols already loaded: no library lookup (it runs a subprocess)
     if hasattr(process, "malloc_trim"):
         process.malloc_trim(0)
+
+
+def reload(model: Any, tower: str, file: TowerFile) -> None:
+    """In the loader thread: a tower's tensors mapped back, and one forward through it (its first-call costs
+    paid here, not by the request waiting for it)."""
+    file.load()
+    if tower == "image":
+        crop = model.info.transform.crop_size
+        model.forward(np.zeros((1, crop, crop, 3), np.uint8))
+    else:
+        model.encode_text(model.tokenize(["a photo."]).ids)
+
+
+def unload(file: TowerFile) -> int:
+    """In the loader thread: the tower's tensors dropped, and what the heap freed given back; the bytes."""
+    freed = file.unload()
+    give_back_freed_memory()
+    return freed

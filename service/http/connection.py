@@ -1,20 +1,25 @@
 """What the client's connection can do to a request: send a body with broken framing, too long or too
-slowly, or go away.
+slowly, go away, or not read the answer.
 
     guard_body          a WSGI wrapper around the body's reads: gunicorn's framing errors (a bad chunk
                         size, a missing CRLF, the client hanging up mid-body) become a 400
                         ``malformed_body`` instead of a 500 with a traceback; a chunked body longer than
                         GREENSERVE_MAX_BODY_BYTES is a 413 (werkzeug's own cap stops reading there without
-                        a word); a body that has not all arrived within GREENSERVE_BODY_TIMEOUT_S is a 408.
-                        After any of them the connection closes: the rest of the body will not be read
+                        a word), at once when a chunk's size line says so; a body that has not all arrived
+                        within GREENSERVE_BODY_TIMEOUT_S is a 408. After any of them the connection closes:
+                        the rest of the body will not be read
     cancel_on_hang_up   while a request works, a greenlet waits on its socket; end-of-file means the client
                         left, and ``ClientGone`` is thrown into the request where it waits (the batch already
                         running finishes, nothing else of it runs)
+    SendBound           the answer's writes end by the request's deadline (``SEND_GRACE_S`` after an answer
+                        ready later): a client that does not read has its connection closed by the worker,
+                        and the requests it pipelined behind are never run
 """
 
 from __future__ import annotations
 
 import contextlib
+import re
 import socket
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -22,6 +27,7 @@ from typing import Any
 
 import gevent
 from gevent.socket import wait_read
+from gunicorn.http.body import ChunkedReader
 from gunicorn.http.errors import NoMoreData, ParseException
 from werkzeug.exceptions import RequestEntityTooLarge
 
@@ -101,6 +107,9 @@ class _GuardedInput:
         self._received = 0
         self._held, self._at = b"", 0
         self.refused = False
+        reader = getattr(stream, "reader", None)
+        if cap is not None and isinstance(reader, ChunkedReader):
+            reader.parse_chunk_size = _ChunkSizes(reader, cap)
 
     def read(self, size: int | None = -1) -> bytes:
         if size is None or size < 0:
@@ -155,11 +164,73 @@ class _GuardedInput:
             self.refused = True
             raise BodyTimeout("the request body did not arrive in time; send it whole within "
                               "GREENSERVE_BODY_TIMEOUT_S (or put a proxy that buffers bodies in front)") from None
+        except _OverCap:
+            self.refused = True
+            raise RequestEntityTooLarge() from None
         except (ParseException, NoMoreData) as exc:
             self.refused = True
             raise RequestError(f"the request body is malformed or ended early ({type(exc).__name__}: {exc}); "
                                "send a complete body with a valid Content-Length or chunked framing",
                                code="malformed_body") from exc
+
+
+_HEX_DIGITS = re.compile(rb"[0-9A-Fa-f]*")
+
+
+class _OverCap(Exception):
+    """A chunk's size line says the body will be longer than the cap."""
+
+
+class _ChunkSizes:
+    """gunicorn's parsing of a chunk's size line, with the cap applied to the digits as they arrive: a size that
+    takes the body past GREENSERVE_MAX_BODY_BYTES (16 hex digits, say) is refused at once, where gunicorn would
+    wait for that many bytes until the body's deadline. Set on this request's ``ChunkedReader``, whose parser
+    looks the method up on the reader for each chunk."""
+
+    def __init__(self, reader: Any, cap: int) -> None:
+        self._reader, self._parse, self._left = reader, reader.parse_chunk_size, cap
+
+    def __call__(self, unreader: Any, data: bytes | None = None) -> tuple[int, bytes | None]:
+        line = bytearray(data or b"")
+        # past gunicorn's line limit its own parse refuses the line (400)
+        while self._fits(line) and b"\r\n" not in line and len(line) <= self._reader.limit_chunk_size_line:
+            self._reader.read_into(unreader, line)
+        if not self._fits(line):
+            raise _OverCap()
+        size, rest = self._parse(unreader, bytes(line))
+        self._left -= size
+        return size, rest
+
+    def _fits(self, line: bytearray) -> bool:
+        """The size the line's hex digits say so far (more digits only make it larger) is within what is left."""
+        match = _HEX_DIGITS.match(line)
+        digits = match.group().lstrip(b"0") if match else b""
+        return len(digits) <= len(f"{self._left:x}") and int(digits or b"0", 16) <= self._left
+
+
+SEND_GRACE_S = 2.0  # an answer ready at (or after) its deadline still has this long to be written
+_LAST_WRITE_S = 0.05  # a write past the bound: only what the kernel takes at once still goes
+
+
+class SendBound:
+    """The writes of one answer, bounded in time: each ends by ``until``, the request's deadline (or
+    ``SEND_GRACE_S`` after the answer was ready, if later). The socket's own timeout carries it (gevent's
+    ``sendall`` holds to it across the whole call), set before each write; a write that cannot finish raises
+    ``TimeoutError`` in gunicorn's write, and the worker closes the connection (``gunicorn_worker``)."""
+
+    def __init__(self, sock: Any, deadline: float, now: float) -> None:
+        self._sock, self.until = sock, max(deadline, now) + SEND_GRACE_S
+
+    def arm(self) -> None:
+        """Before a write: what is left of the bound."""
+        if self._sock is not None:
+            self._sock.settimeout(max(self.until - time.monotonic(), _LAST_WRITE_S))
+
+    def release(self) -> None:
+        """After the answer: the connection's next request is read as gunicorn set it, without a timeout."""
+        if self._sock is not None:
+            with contextlib.suppress(OSError):
+                self._sock.settimeout(None)
 
 
 @contextlib.contextmanager

@@ -4,12 +4,15 @@
 (``service/http/routes.py``) and every protocol (``service/http/protocols/``) parse their own wire format
 into an ``InferenceRequest`` (``parse_body`` takes a large body off the hub) and call ``run`` or
 ``run_rows``, so the limits, admission (503), deadlines (504), hang-up cancelling and stage metrics are the
-same behind each of them. No Flask here: each call takes the request's ``RequestContext`` as an argument
-(``current`` takes it, and the plane, from Flask).
+same behind each of them. A deadline already passed when the work would start (``X-Request-Timeout: 1e-9``,
+OIP's ``timeout`` of 1 µs) is 504 before any work: a request answered at once from a cache may never wait, so
+the deadline's timer would not interrupt it. No Flask here: each call takes the request's ``RequestContext``
+as an argument (``current`` takes it, and the plane, from Flask).
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -19,11 +22,11 @@ from service import metrics
 from service.balance.gate import Balance
 from service.balance.repository import Follower
 from service.engine.engine import Engine
-from service.engine.residency import PINNED, TTL, Residency
+from service.engine.model_set import PINNED, TTL, Residency
 from service.engine.runner import Runner
 from service.engine.scheduling import NOT_READY_RETRY_S
 from service.engine.types import ModelInfo
-from service.errors import Overloaded, RequestError
+from service.errors import DeadlineExceeded, Overloaded, RequestError
 from service.http.connection import cancel_on_hang_up
 from service.http.context import Identities, RequestContext
 from service.pipeline.orchestrate import Orchestrator, Progress, Rows
@@ -32,6 +35,7 @@ from service.pipeline.requests import InferenceRequest
 from service.settings import Settings
 
 OFFLOAD_BODY_BYTES = 256 * 1024  # bodies above this are parsed in a decode thread, not on the hub
+NOTHING_FITS_S = 0.001  # less left than this when the work would start: no fetch, decode or forward can finish
 T = TypeVar("T")
 
 
@@ -138,10 +142,11 @@ class DataPlane:
         ``progress`` hears of each image's answer as it is ready (a streamed answer)."""
         check_task(self.info_of(req.model), req, task)
         self._count(ctx, req)
+        deadline = self._deadline(ctx, timeout_s)
         tally = self._tally(ctx, req)
         with cancel_on_hang_up(self._client(ctx)):
-            body = self.orchestrator.run(req, task, deadline=ctx.deadline(self.settings.request_timeout_s, timeout_s),
-                                         request_id=ctx.request_id, caller=ctx.caller, progress=progress, tally=tally)
+            body = self.orchestrator.run(req, task, deadline=deadline, request_id=ctx.request_id, caller=ctx.caller,
+                                         progress=progress, tally=tally)
         _observe(body["timings_ms"])
         body = {"model": self.runner.engine(req.model).name, **body, "request_id": ctx.request_id}
         return Answer(body, Served(_size(req), body["timings_ms"], tally))
@@ -152,10 +157,11 @@ class DataPlane:
         for task in tasks:
             check_task(self.info_of(req.model), req, task)
         self._count(ctx, req)
+        deadline = self._deadline(ctx, timeout_s)
         tally = self._tally(ctx, req)
         with cancel_on_hang_up(self._client(ctx)):
-            rows = self.orchestrator.run_rows(req, deadline=ctx.deadline(self.settings.request_timeout_s, timeout_s),
-                                              request_id=ctx.request_id, caller=ctx.caller, tally=tally)
+            rows = self.orchestrator.run_rows(req, deadline=deadline, request_id=ctx.request_id, caller=ctx.caller,
+                                              tally=tally)
         _observe(rows.timings_ms)
         return rows, Served(_size(req), rows.timings_ms, tally)
 
@@ -164,6 +170,14 @@ class DataPlane:
         model = self.runner.engine(req.model).name  # a configured name: the label's values are bounded
         metrics.MODEL_REQUESTS.labels(model).inc()
         metrics.MODEL_IMAGES.labels(model).inc(len(req.refs))
+
+    def _deadline(self, ctx: RequestContext, timeout_s: float | None) -> float:
+        """The request's deadline, or 504 at once when it has passed (or nearly) before any work starts."""
+        deadline = ctx.deadline(self.settings.request_timeout_s, timeout_s)
+        if deadline - time.monotonic() < NOTHING_FITS_S:
+            raise DeadlineExceeded("the request's deadline passed before its work could start; send a longer "
+                                   "X-Request-Timeout (or OIP timeout parameter)")
+        return deadline
 
     def _tally(self, ctx: RequestContext, req: InferenceRequest) -> CacheTally | None:
         """A record of what the cache does for ``req``'s images; None when the cache is off or there are

@@ -1,5 +1,5 @@
-"""Around every request: the request id, the token, the timing headers and the access line; one error
-handler turns every failure into the error shape of the protocol that owns the path.
+"""Around every request: the request id, the token, the timing headers, the answer's send bound and the
+access line; one error handler turns every failure into the error shape of the protocol that owns the path.
 
 Views have no ``try``: the pipeline raises ``GreenserveError`` subclasses and ``handle_error`` maps them.
 """
@@ -18,8 +18,9 @@ from flask import Blueprint, Response, current_app, g, request
 from werkzeug.exceptions import HTTPException
 
 from service import logs, metrics
-from service.errors import ClientGone, GreenserveError, Unauthorized, from_http_status
+from service.errors import ClientGone, GreenserveError, RequestError, Unauthorized, from_http_status
 from service.http import current, protocols, streaming
+from service.http.connection import SendBound
 from service.http.context import RequestContext
 
 log = logging.getLogger(__name__)
@@ -55,6 +56,7 @@ def _finish(response: Response) -> Response:
     took_ms = (time.monotonic() - ctx.started) * 1000 if ctx else 0.0
     if ctx:  # time inside the app (parsing to JSON), for telling server time from network time
         response.headers["Server-Timing"] = f"app;dur={took_ms:.1f}"
+        _bound_send(response, ctx)
     if work and work.cache and response.status_code == 200:  # RFC 9211; not on a stream: sent before it knows
         response.headers["Cache-Status"] = work.cache.header()
     if current.plane().settings.log_format != "json":  # text: gunicorn's access log
@@ -70,6 +72,19 @@ def _finish(response: Response) -> Response:
     else:
         logs.access(fields)
     return response
+
+
+def _bound_send(response: Response, ctx: RequestContext) -> None:
+    """The answer's writes end by the request's deadline (``connection.SendBound``; a stream re-arms it before
+    each line): a client that does not read cannot hold the connection, nor the requests pipelined behind."""
+    timeout_s = current.plane().settings.request_timeout_s
+    try:
+        deadline = ctx.deadline(timeout_s)
+    except RequestError:  # a bad X-Request-Timeout: this answer is its 400
+        deadline = ctx.started + timeout_s
+    bound = SendBound(ctx.client, deadline, time.monotonic())
+    bound.arm()
+    response.call_on_close(bound.release)
 
 
 def _stream_ended(fields: dict[str, Any], stream: streaming.Stream, started: float) -> None:

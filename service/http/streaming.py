@@ -19,12 +19,16 @@ The request runs in its own greenlet and puts each image's item on a queue (``or
 the response's iterator waits on that queue: event-driven, no polling. ``start`` returns once the request
 is admitted, so a 503, a 400 or a refusal at parsing is still an ordinary error answer. A client that
 leaves (the next write fails, or its socket closes) stops what is left, as for an answer not streamed.
+Each line's write is bounded by the request's deadline (``connection.SendBound``): a client that stops
+reading is cut off there, where its work ends too; meanwhile the worker holds its lines (one request's
+items at most: gunicorn reads the connection's next request only once this answer is written).
 No Flask here: ``current.stream`` wraps the iterator in a response.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,6 +39,7 @@ import gevent.queue
 import orjson
 
 from service.errors import ClientGone, GreenserveError
+from service.http.connection import SendBound
 from service.http.context import RequestContext
 from service.http.dataplane import DataPlane, Served
 from service.pipeline.requests import InferenceRequest
@@ -70,24 +75,31 @@ class Stream:
     request_id: str
     keep_data: bool  # rank: the last line has the ranking
     cancel: bool  # GREENSERVE_CANCEL_ON_DISCONNECT: a client that leaves stops the work left
+    send: SendBound  # each line's write ends by the request's deadline
     _lines: _Lines
     _work: gevent.Greenlet
 
     def lines(self) -> Iterator[bytes]:
         try:
-            while True:
-                try:
-                    got = self._lines.queue.get(timeout=self.heartbeat_s if self.media_type == SSE else None)
-                except gevent.queue.Empty:
-                    yield b": waiting\n\n"  # keeps proxies from timing the stream out; tells a gone client
-                    continue
-                if got is _END:
-                    break
-                yield self._encode(got)
-            yield self._encode(self._last())
-        finally:  # the client left (a write failed) or the answer is complete
+            for line in self._encoded():
+                self.send.arm()
+                yield line
+            self.send.arm()  # the closing chunk, which gunicorn writes after the last line
+        finally:  # the client left (a write failed or passed its bound) or the answer is complete
             if self.cancel and not self._work.dead:
                 self._work.kill(ClientGone("the client left during the streamed answer"), block=False)
+
+    def _encoded(self) -> Iterator[bytes]:
+        while True:
+            try:
+                got = self._lines.queue.get(timeout=self.heartbeat_s if self.media_type == SSE else None)
+            except gevent.queue.Empty:
+                yield b": waiting\n\n"  # keeps proxies from timing the stream out; tells a gone client
+                continue
+            if got is _END:
+                break
+            yield self._encode(got)
+        yield self._encode(self._last())
 
     def served(self) -> Served | None:
         """What the access line says of the work, once the request's greenlet has ended."""
@@ -117,8 +129,9 @@ def start(plane: DataPlane, ctx: RequestContext, req: InferenceRequest, task: st
         outcome, _ = work.get()
         assert isinstance(outcome, GreenserveError)
         raise outcome
+    send = SendBound(ctx.client, ctx.deadline(plane.settings.request_timeout_s), time.monotonic())
     return Stream(media_type, plane.settings.stream_heartbeat_s, ctx.request_id, task == "rank",
-                  plane.settings.cancel_on_disconnect, lines, work)
+                  plane.settings.cancel_on_disconnect, send, lines, work)
 
 
 def _run(plane: DataPlane, ctx: RequestContext, req: InferenceRequest, task: str,

@@ -46,8 +46,8 @@ class TextEncoder:
             first = tokens.truncated.index(True)
             info = self.runner.engine(admission.model or None).info
             raise RequestError(f"text {first} has more tokens than the model's context length "
-                               f"({info.context_length if info else '?'}); shorten it or send \"truncate\": true",
-                               code="over_context_length")
+                               f"({info.context_length if info else '?'}), or a run of letters longer than any word; "
+                               "shorten it or send \"truncate\": true", code="over_context_length")
         pending = [self.runner.infer_text(tokens.ids[i], deadline, admission) for i in range(len(texts))]
         rows: list[Row] = [p.get() for p in pending]
         out = []

@@ -3,7 +3,9 @@
 Limits: ``GREENSERVE_MAX_TEXTS`` texts, ``GREENSERVE_MAX_LABELS`` labels, ``GREENSERVE_MAX_TEXT_CHARS``
 characters each. Past the model's context length (77 tokens for CLIP, about 300 characters of English)
 a text is truncated, as CLIP was trained, and its item says ``"truncated": true``; ``"truncate": false``
-refuses it instead (``over_context_length``, once the tokens are counted).
+refuses it instead (``over_context_length``, once the tokens are counted). The tokenizer computes only the
+tokens the context holds (``open_clip_family.ClipText``), so the longest texts these limits allow cost no
+more than short ones past the context (docs/SIZING.md, Texts).
 """
 
 from __future__ import annotations

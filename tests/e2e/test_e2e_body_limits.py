@@ -1,7 +1,7 @@
 """A body that breaks its limits by framing or by time, sent over raw sockets to a real gunicorn -k gevent
-(1 worker of resnet18, a 1 MiB body cap, a 2 s body deadline): a chunked body over the cap is 413, a stalled
-or trickled one is 408, the connection closes after either, and the same worker answers at once meanwhile
-and afterwards."""
+(1 worker of resnet18, a 1 MiB body cap, a 2 s body deadline): a chunked body over the cap is 413 (at once
+when a chunk's size line says so), a stalled or trickled one is 408, the connection closes after either, and
+the same worker answers at once meanwhile and afterwards."""
 
 from __future__ import annotations
 
@@ -83,8 +83,31 @@ def test_a_chunked_body_under_the_cap_is_read_whole(limited: GunicornServer) -> 
     assert body["error"]["code"] != "invalid_json", body
 
 
+OVER_THE_CAP = {
+    "a chunk size of 16 hex digits (2**64-1), then 3 bytes": b"ffffffffffffffff\r\nabc",
+    "a size line whose digits pass the cap before it ends": b"1000000000",  # 2**36 so far, no CRLF yet
+}
+
+
+@pytest.mark.parametrize("what", list(OVER_THE_CAP))
+def test_a_chunk_size_past_the_cap_is_413_at_once(limited: GunicornServer, what: str) -> None:
+    pids = limited.worker_pids()
+    with socket.create_connection(("127.0.0.1", limited.port), timeout=30) as s:
+        t0 = time.monotonic()
+        s.sendall(HEAD + b"Transfer-Encoding: chunked\r\n\r\n" + OVER_THE_CAP[what])
+        head, body, _ = answer_of(s)
+        took = time.monotonic() - t0
+    status = head.split(b"\r\n")[0].decode()
+    print(f"\n{what}: {status} after {took * 1000:.0f} ms")
+    assert head.startswith(b"HTTP/1.1 413"), (what, head)
+    assert body["error"]["code"] == "body_too_large" and b"connection: close" in head.lower()
+    assert took < BODY_TIMEOUT_S / 4, f"{took:.2f}s: the body's deadline is {BODY_TIMEOUT_S}s"
+    ok = requests.post(limited.url + "/v1/embeddings", json={"images": ["img000.jpg"]}, timeout=60)
+    assert ok.status_code == 200 and int(ok.headers["X-Worker-PID"]) in pids
+
+
 STALLS = {
-    "a chunk size of 2**64-1, then 3 bytes": b"Transfer-Encoding: chunked\r\n\r\nffffffffffffffff\r\nabc",
+    "a chunk of 1 KiB announced, 3 bytes sent": b"Transfer-Encoding: chunked\r\n\r\n400\r\nabc",
     "a Content-Length 1,000 bytes longer than sent": b"Content-Length: 1010\r\n\r\n{\"images\":",
 }
 

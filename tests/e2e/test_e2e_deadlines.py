@@ -1,9 +1,12 @@
 """A request deadline that runs out while its images are being fetched answers 504 ``deadline_exceeded`` in
 each protocol's error shape, as a deadline anywhere else does (it was 422 ``fetch_timeout`` for the image),
-and the same worker answers afterwards. An image host slower than GREENSERVE_FETCH_TIMEOUT_S, within the
+and the same worker answers afterwards. A deadline already passed when the request arrives is 504 at once,
+its image in the embedding cache or not. An image host slower than GREENSERVE_FETCH_TIMEOUT_S, within the
 request's deadline, is still that image's 422."""
 
 from __future__ import annotations
+
+import time
 
 import pytest
 import requests
@@ -38,3 +41,28 @@ def test_a_slow_host_within_the_deadline_is_still_the_images_422(server: Gunicor
     r = requests.post(server.url + "/v1/embeddings", json={"images": ["img006.jpg?delay=3&slow=1"]},
                       headers={"X-Request-Timeout": "20"}, timeout=30)
     assert r.status_code == 422 and r.json()["error"]["details"][0]["code"] == "fetch_timeout", r.text
+
+
+def oip_body(**parameters: object) -> dict[str, object]:
+    inputs = [{"name": "IMAGE", "datatype": "BYTES", "shape": [1], "data": ["img001.jpg"],
+               "parameters": {"content_type": "url"}}]  # a relative name, not base64
+    return {"inputs": inputs, **({"parameters": parameters} if parameters else {})}
+
+
+@pytest.mark.parametrize(("path", "body", "passed"), [
+    ("/v1/embeddings", {"images": ["img001.jpg"]}, {"headers": {"X-Request-Timeout": "1e-9"}}),
+    (f"/v2/models/{E2E_MODEL}/infer", oip_body(), {"json": oip_body(timeout=1)}),  # OIP: 1 µs
+], ids=["native X-Request-Timeout 1e-9", "OIP timeout of 1 µs"])
+def test_a_deadline_already_passed_is_504_at_once_even_from_the_cache(server: GunicornServer, path: str, body: dict,
+                                                                      passed: dict) -> None:
+    pids = server.worker_pids()
+    for _ in range(len(pids)):  # each worker answers it once: its image is in the embedding cache
+        assert requests.post(server.url + path, json=body, timeout=30).status_code == 200
+    t0 = time.monotonic()
+    r = requests.post(server.url + path, **{"json": body, "timeout": 30, **passed})
+    took = time.monotonic() - t0
+    print(f"\n{path}: {r.status_code} after {took * 1000:.0f} ms")
+    assert r.status_code == 504 and "deadline" in r.text, r.text
+    assert took < 0.5 and int(r.headers["X-Worker-PID"]) in pids
+    ok = requests.post(server.url + "/v1/embeddings", json={"images": ["img000.jpg"]}, timeout=30)
+    assert ok.status_code == 200 and int(ok.headers["X-Worker-PID"]) in pids

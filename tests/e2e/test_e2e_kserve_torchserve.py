@@ -61,7 +61,7 @@ def assert_workers_still_answer(server: GunicornServer, before: set[int]) -> Non
 
 def test_kserve_root_is_alive(server: GunicornServer) -> None:
     r = requests.get(server.url + "/", timeout=TIMEOUT)
-    assert r.status_code == 200 and r.json() == {"status": "alive"}
+    assert r.status_code == 200 and r.json() == {"status": "alive", "page": "/ui", "api": "/openapi.json", "ready": "/readyz"}
 
 
 def test_kserve_model_is_ready(server: GunicornServer) -> None:

@@ -164,7 +164,7 @@ def test_the_master_imports_the_model_libraries_for_its_workers(weights_file: Pa
         assert srv.proc is not None
         with open(f"/proc/{srv.proc.pid}/maps") as maps:
             assert "libtorch_cpu" in maps.read()
-        assert "imported the model's libraries in" in srv.log()
+        assert "imported the models' libraries in" in srv.log()
         r = requests.post(srv.url + "/v1/embeddings", json={"images": ["img000.jpg"]}, timeout=60)
     assert r.status_code == 200, r.text
 

@@ -1,6 +1,7 @@
 """Streamed answers on a real gunicorn -k gevent server with the real image host: lines arrive while the
 request is still running; their content is the non-streamed answer's; a client that leaves mid-stream stops
-the remaining work; the stream passes the shipped nginx line by line; rank streams on a real CLIP."""
+the remaining work, and one that pipelines streams and never reads is cut off at the request's deadline; the
+stream passes the shipped nginx line by line; rank streams on a real CLIP."""
 
 from __future__ import annotations
 
@@ -13,10 +14,11 @@ from pathlib import Path
 import pytest
 import requests
 
-from harness.answers import metric_sum, same_answer
+from harness.answers import metric, metric_sum, same_answer
 from harness.imagehost import ImageHost
 from harness.launch import GunicornServer
 from harness.servers import CLIP_ARCH, CLIP_LIMITS, e2e_env
+from service.http.connection import SEND_GRACE_S
 
 pytestmark = pytest.mark.e2e
 NDJSON = {"Accept": "application/x-ndjson"}
@@ -102,6 +104,73 @@ def test_with_cancelling_off_a_client_that_leaves_lets_the_work_finish(weights_f
     env = e2e_env(weights_file, image_host, GREENSERVE_CANCEL_ON_DISCONNECT="false")
     with GunicornServer(env, workers=1) as srv:
         assert leave_at_the_first_line(srv) >= 24
+
+
+SHORT_DEADLINE_S = 3.0
+ESTABLISHED = 1  # linux/tcp_states.h
+EMBEDDINGS = 'route="/v1/embeddings"'
+
+
+def tcp_state(s: socket.socket) -> int:
+    """The socket's TCP state, without reading from it: 1 while established (7 once reset, 8 once closed by
+    the peer)."""
+    return s.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 8)[0]
+
+
+def queued(local_port: int, remote_port: int) -> tuple[int, int]:
+    """(tx, rx) queue of the loopback connection from ``local_port`` to ``remote_port`` (/proc/net/tcp): the
+    bytes its sender holds unsent or unacknowledged, and those waiting in its receiver."""
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        if (int(fields[1].split(":")[1], 16), int(fields[2].split(":")[1], 16)) == (local_port, remote_port):
+            tx, rx = fields[4].split(":")
+            return int(tx, 16), int(rx, 16)
+    return 0, 0
+
+
+def rss_bytes(pid: int) -> int:
+    line = next(x for x in Path(f"/proc/{pid}/status").read_text().splitlines() if x.startswith("VmRSS:"))
+    return int(line.split()[1]) * 1024
+
+
+def test_a_client_that_pipelines_streams_and_never_reads_is_cut_off_at_the_deadline(weights_file: Path,
+                                                                                   image_host: ImageHost) -> None:
+    """12 streamed 64-image requests on one connection, never read: the worker holds a bounded part of the
+    first answer, closes the connection at that request's deadline (plus the send grace), never starts the
+    requests behind it, and serves the next client. The album's photos are embedded first, so the embedding
+    cache makes each answer whole (~0.4 MB of lines) well within the short deadline, as a longer deadline would."""
+    env = e2e_env(weights_file, image_host, GREENSERVE_REQUEST_TIMEOUT_S=str(SHORT_DEADLINE_S),
+                  GREENSERVE_MAX_IMAGES="64")
+    album = [f"img{i % 8:03d}.jpg?n={i}" for i in range(64)]
+    body = json.dumps({"images": album}).encode()
+    one = (b"POST /v1/embeddings HTTP/1.1\r\nHost: t\r\nAccept: application/x-ndjson\r\n"
+           b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+    with GunicornServer(env, workers=1) as srv:
+        (pid,) = srv.worker_pids()
+        photos = {"images": [f"img{i:03d}.jpg" for i in range(8)]}  # the album's 8 photos, into the cache
+        assert requests.post(srv.url + "/v1/embeddings", json=photos, timeout=TIMEOUT).status_code == 200
+        answer = requests.post(srv.url + "/v1/embeddings", json={"images": album}, headers=NDJSON, timeout=TIMEOUT)
+        assert answer.status_code == 200 and answer.text.count("\n") == 65, answer.text[-300:]
+        started, rss_before = metric(srv, "greenserve_requests_total", EMBEDDINGS), rss_bytes(pid)
+        server_tx = client_rx = rss_most = 0
+        with socket.create_connection(("127.0.0.1", srv.port), timeout=TIMEOUT) as s:
+            s.sendall(one * 12)
+            sent, port = time.monotonic(), s.getsockname()[1]
+            while tcp_state(s) == ESTABLISHED and time.monotonic() - sent < SHORT_DEADLINE_S + 30:
+                server_tx = max(server_tx, queued(srv.port, port)[0])
+                client_rx = max(client_rx, queued(port, srv.port)[1])
+                rss_most = max(rss_most, rss_bytes(pid))
+                time.sleep(0.05)
+            closed_after = time.monotonic() - sent
+        started = metric(srv, "greenserve_requests_total", EMBEDDINGS) - started
+        ok = requests.post(srv.url + "/v1/embeddings", json={"images": ["img000.jpg"]}, timeout=TIMEOUT)
+        assert ok.status_code == 200 and int(ok.headers["X-Worker-PID"]) == pid
+    print(f"\nnever read: closed after {closed_after:.2f}s (deadline {SHORT_DEADLINE_S}s); {started:.0f} of 12 "
+          f"requests started; each answer {len(answer.content)} bytes; the server held {server_tx} bytes unsent, the "
+          f"client's buffer {client_rx}; worker RSS {rss_most - rss_before:+d} bytes")
+    assert closed_after < SHORT_DEADLINE_S + SEND_GRACE_S + 2, closed_after
+    assert server_tx < 512 << 10, f"the kernel held {server_tx} bytes of answers nobody read"
+    assert started <= 2, f"{started:.0f} requests started behind an answer nobody read"
 
 
 @pytest.fixture(scope="module")

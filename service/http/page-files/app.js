@@ -1,25 +1,18 @@
-// greenserve's album page: add photos (files or URLs), watch each result arrive from a streamed answer
-// (Accept: application/x-ndjson), then, on a CLIP model, rank the album with a sentence or label it
-// zero-shot from the embeddings already here (only the text is sent). It talks to this server only.
+// greenserve's album page: add photos (files or URLs) and watch each result arrive (send.js streams them into
+// the album's cards, album.js), then, on a CLIP model, rank the album with a sentence or label it zero-shot
+// from the embeddings already here (only the text is sent). It talks to this server only.
 "use strict";
 
-const $ = (id) => document.getElementById(id);
-const state = { token: sessionStorage.getItem("greenserve-token") || "", info: null, cards: [] };
+const TOKEN_KEY = "greenserve-token";
+const state = { token: sessionStorage.getItem(TOKEN_KEY) || "", info: null };
 
 function headers(extra) {
   return Object.assign(state.token ? { Authorization: "Bearer " + state.token } : {}, extra || {});
 }
 
-function say(text) { $("status").textContent = text; }
-
 async function start() {
   const r = await fetch("/v1/models", { headers: headers() });
-  if (r.status === 401) {
-    $("token-box").hidden = false;
-    $("add").hidden = true;
-    $("model").textContent = "this server requires a token";
-    return;
-  }
+  if (r.status === 401) return askToken(state.token ? "refused" : "needed");
   const body = await r.json();
   if (r.status !== 200) {
     $("model").textContent = "the model is still loading; reload in a moment";
@@ -29,149 +22,87 @@ async function start() {
   const clip = state.info.towers.includes("text");
   $("model").textContent = `${state.info.name} · ${state.info.towers.join(" + ")} · ${state.info.dtype}` +
     (clip ? " · search the album with words" : " · top-k labels");
+  showWeights(state.info.weights);
   $("search").hidden = !clip;
   $("token-box").hidden = true;
   $("add").hidden = false;
 }
 
-function card(name, thumbnail) {
-  const li = document.createElement("li");
-  li.className = "card pending";
-  li.innerHTML = `<img alt=""><div class="body"><div class="name"></div><div class="result">waiting…</div></div>`;
-  li.querySelector(".name").textContent = name;
-  li.querySelector(".name").title = name;
-  if (thumbnail) li.querySelector("img").src = thumbnail;  // a local file: an object URL, never a remote one
-  $("album").appendChild(li);
-  const c = { el: li, name, embedding: null };
-  state.cards.push(c);
-  return c;
+function showWeights(weights) {
+  const random = weights === "random";
+  $("notice").hidden = !random;
+  $("notice").textContent = random ? "This server runs random weights: its model was never trained, so its labels, " +
+    "scores and search results mean nothing (every photo looks alike to it). Whoever runs the server sets " +
+    "GREENSERVE_WEIGHTS to real ones (docs/MODELS.md, Real weights)." : "";
 }
 
-function showLabels(c, labels) {
-  const ul = document.createElement("ul");
-  ul.className = "labels";
-  for (const l of labels.slice(0, 3)) {
-    const li = document.createElement("li");
-    li.innerHTML = "<span></span><span></span>";
-    li.children[0].textContent = l.label;
-    li.children[1].textContent = (100 * l.score).toFixed(1) + "%";
-    ul.appendChild(li);
-  }
-  c.el.querySelector(".result").replaceChildren(ul);
+// no token, or one the server refused (at start, or later on a photo's request): say so, and where tokens come from
+function askToken(why, detail) {
+  if (why === "refused") sessionStorage.removeItem(TOKEN_KEY);
+  $("token-message").textContent = (why === "refused"
+    ? "The server refused this token (401" + (detail ? `: ${detail}` : "") + "). "
+    : "This server needs a token. ") +
+    "Type one of the tokens in the server's GREENSERVE_API_TOKEN setting (its environment, e.g. " +
+    "deploy/greenserve.env; ask whoever runs it) here:";
+  $("token-box").hidden = false;
+  $("add").hidden = true;
+  $("search").hidden = true;
+  $("model").textContent = "this server requires a token";
+  $("token").focus();
 }
 
-function settle(c, item) {
-  c.el.classList.remove("pending");
-  if (item.error) {
-    c.el.classList.add("failed");
-    c.el.querySelector(".result").textContent = `${item.error.code}: ${item.error.message}`;
-  } else if (item.embedding) {
-    c.embedding = item.embedding;
-    c.el.querySelector(".result").textContent = `embedded (${item.embedding.length} dimensions)`;
-  } else if (item.labels) {
-    showLabels(c, item.labels);
-  }
-  c.el.dataset.done = String(performance.now());  // when it came: the browser test reads it
+function useToken() {
+  state.token = $("token").value.trim();
+  sessionStorage.setItem(TOKEN_KEY, state.token);
+  $("token").value = "";
+  start().catch((e) => say("error: " + e));
 }
 
-async function stream(body, contentType, batch) {
-  const task = state.info.towers.includes("text") ? "embeddings" : "classify";
-  const h = headers({ Accept: "application/x-ndjson" });
-  if (contentType) h["Content-Type"] = contentType;
-  const r = await fetch("/v1/" + task, { method: "POST", headers: h, body });
-  if (!(r.headers.get("Content-Type") || "").startsWith("application/x-ndjson")) {
-    const err = await r.json().catch(() => ({}));
-    const e = err.error || {};
-    say(`refused (${r.status}): ${e.message || r.statusText}`);
-    batch.forEach((c) => settle(c, { error: { code: e.code || String(r.status), message: e.message || "" } }));
-    return;
-  }
-  const reader = r.body.getReader();
-  const text = new TextDecoder();
-  let rest = "";
-  for (;;) {
-    const { value, done } = await reader.read();
-    if (done) break;
-    rest += text.decode(value, { stream: true });
-    let at;
-    while ((at = rest.indexOf("\n")) >= 0) {
-      const line = JSON.parse(rest.slice(0, at));
-      rest = rest.slice(at + 1);
-      if (line.event === "item") settle(batch[line.index], line);
-      else if (line.event === "done") say(`${batch.length} photo(s) in ${Math.round(line.timings_ms.total)} ms`);
-      else if (line.event === "failed") say(`failed: ${line.error.message}`);
-    }
-  }
+function addPhotos(sources) {  // File objects or URL strings
+  if (!state.info) return say("the model is not ready yet");
+  enqueue(Array.from(sources).map(addCard));
+  showProgress();
 }
 
-async function send() {
-  const files = Array.from($("files").files);
+function addUrls() {
   const urls = $("urls").value.split("\n").map((s) => s.trim()).filter(Boolean);
-  if (!files.length && !urls.length) return say("add photos or URLs first");
-  $("send").disabled = true;
-  say("sending…");
-  try {
-    if (files.length) {
-      const form = new FormData();
-      files.forEach((f) => form.append("images", f, f.name));
-      await stream(form, null, files.map((f) => card(f.name, URL.createObjectURL(f))));
-    }
-    if (urls.length) {
-      await stream(JSON.stringify({ images: urls }), "application/json", urls.map((u) => card(u, null)));
-    }
-  } catch (e) {
-    say("error: " + e);
-  } finally {
-    $("send").disabled = false;
-    $("files").value = "";
-    $("urls").value = "";
-  }
+  if (!urls.length) return say("paste image URLs first, one per line");
+  $("urls").value = "";
+  addPhotos(urls);
 }
 
 async function embedTexts(texts) {
   const r = await fetch("/v1/embeddings", { method: "POST", body: JSON.stringify({ texts }),
     headers: headers({ "Content-Type": "application/json" }) });
   const body = await r.json();
+  if (r.status === 401) askToken("refused", body.error && body.error.message);
   if (r.status !== 200) throw new Error(body.error ? body.error.message : r.statusText);
   return body.data.map((d) => d.embedding);
 }
 
-const dot = (a, b) => a.reduce((s, x, i) => s + x * b[i], 0);
-
+// the search stays on: a photo whose vector comes later takes its place in the ranking (an empty query ends it)
 async function rank() {
   const query = $("query").value.trim();
-  const ready = state.cards.filter((c) => c.embedding);
-  if (!query || !ready.length) return say("add photos and type a sentence first");
-  const [q] = await embedTexts([query]);
-  for (const c of state.cards) {
-    const score = c.embedding ? dot(c.embedding, q) : -2;
-    c.score = score;
-    let badge = c.el.querySelector(".score");
-    if (!badge) {
-      badge = document.createElement("span");
-      badge.className = "score";
-      c.el.querySelector(".name").prepend(badge);
-    }
-    badge.textContent = c.embedding ? score.toFixed(3) : "";
-  }
-  state.cards.sort((a, b) => b.score - a.score).forEach((c) => $("album").appendChild(c.el));
-  say(`ranked ${ready.length} photo(s) for "${query}"`);
+  album.search = query ? { query, vector: (await embedTexts([query]))[0] } : null;
+  rankCards();
+  const ready = album.cards.filter((c) => c.embedding).length;
+  say(query ? `ranked ${ready} photo(s) for "${query}"; photos added later take their place` : "ranking off");
 }
 
 async function zeroShot() {
-  const labels = $("labels").value.split(",").map((s) => s.trim()).filter(Boolean);
-  const ready = state.cards.filter((c) => c.embedding);
-  if (!labels.length || !ready.length) return say("add photos and some labels first");
-  const vectors = await embedTexts(labels.map((l) => `a photo of a ${l}.`));
+  const names = $("labels").value.split(",").map((s) => s.trim()).filter(Boolean);
+  if (!names.length) return say("type some labels first, separated by commas");
+  const vectors = await embedTexts(names.map((l) => `a photo of a ${l}.`));
   const { logit_scale: scale, logit_bias: bias } = state.info.text;
-  for (const c of ready) {
-    const logits = vectors.map((v) => scale * dot(c.embedding, v) + bias);
-    const top = Math.max(...logits);
-    const exp = logits.map((x) => Math.exp(x - top));
-    const total = exp.reduce((s, x) => s + x, 0);
-    showLabels(c, labels.map((label, i) => ({ label, score: exp[i] / total })).sort((a, b) => b.score - a.score));
-  }
-  say(`labelled ${ready.length} photo(s)`);
+  album.labels = { names, vectors, scale, bias };
+  const ready = album.cards.filter((c) => c.embedding);
+  ready.forEach(labelCard);
+  say(`labelled ${ready.length} photo(s); photos added later are labelled too`);
+}
+
+function clearAlbum() {
+  cancelAll();
+  clearCards();
 }
 
 function wire() {
@@ -181,18 +112,21 @@ function wire() {
   drop.addEventListener("drop", (e) => {
     e.preventDefault();
     drop.classList.remove("over");
-    $("files").files = e.dataTransfer.files;
-    send();
+    addPhotos(e.dataTransfer.files);
   });
-  $("send").addEventListener("click", send);
+  drop.addEventListener("keydown", (e) => { if (e.key === "Enter" || e.key === " ") $("files").click(); });
+  $("files").addEventListener("change", () => {
+    addPhotos($("files").files);  // shown and sent at once: picking is the only click
+    $("files").value = "";
+  });
+  $("send").addEventListener("click", addUrls);
+  $("clear").addEventListener("click", clearAlbum);
   $("rank").addEventListener("click", () => rank().catch((e) => say("error: " + e.message)));
   $("query").addEventListener("keydown", (e) => { if (e.key === "Enter") $("rank").click(); });
   $("zero-shot").addEventListener("click", () => zeroShot().catch((e) => say("error: " + e.message)));
-  $("use-token").addEventListener("click", () => {
-    state.token = $("token").value.trim();
-    sessionStorage.setItem("greenserve-token", state.token);
-    start();
-  });
+  $("labels").addEventListener("keydown", (e) => { if (e.key === "Enter") $("zero-shot").click(); });
+  $("use-token").addEventListener("click", useToken);
+  $("token").addEventListener("keydown", (e) => { if (e.key === "Enter") useToken(); });
 }
 
 wire();

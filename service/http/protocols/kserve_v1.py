@@ -44,8 +44,10 @@ _INSTANCE_FORMS = ('an image URL, a relative name or a data: URL, {"b64": ...}, 
 
 @bp.get("/")
 def alive() -> Response:
-    """Server liveness (kserve's ``is_server_live``): this worker answers; readiness is /v1/models/<m>."""
-    return current.json_response({"status": "alive"})
+    """Server liveness (kserve's ``is_server_live`` reads ``status``): this worker answers; readiness is
+    /v1/models/<m>. The rest points a person who opened the server's address at the page and the API (a browser
+    is sent to the page before it gets here: ``ui``)."""
+    return current.json_response({"status": "alive", "page": "/ui", "api": "/openapi.json", "ready": "/readyz"})
 
 
 @bp.post("/v1/models/<name>:predict")

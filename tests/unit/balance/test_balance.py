@@ -22,6 +22,7 @@ from service.balance.gunicorn_worker import GatedStreamServer
 class Engine:
     ready: bool = True
     load_error: BaseException | None = None
+    fatal_error: BaseException | None = None
 
 
 class Listener:
@@ -131,7 +132,8 @@ def test_without_the_gate_a_worker_accepts_whatever_its_siblings_load() -> None:
         assert balance.may_accept() and listener.accepting
 
 
-def test_a_loading_worker_accepts_nothing_and_siblings_do_not_defer_to_it() -> None:
+def test_a_loading_worker_beside_a_serving_sibling_accepts_nothing_and_the_sibling_does_not_defer_to_it() -> None:
+    """A reload or a respawn: the serving sibling takes every connection, so no request meets 503 not_ready."""
     engine = Engine(ready=False)
     for policy in (Policy(), Policy(accept_gate=False)):
         balance, board, sibling, listener, _ = pair(policy, engine)
@@ -139,6 +141,31 @@ def test_a_loading_worker_accepts_nothing_and_siblings_do_not_defer_to_it() -> N
         assert board.siblings(sibling) == [(UNAVAILABLE, 0)]
     engine.ready = True
     assert balance.may_accept() and board.siblings(sibling) == [(0, 0)]
+
+
+def test_while_no_sibling_serves_a_loading_worker_accepts_so_probes_are_answered() -> None:
+    """The server is starting: /healthz 200 and /readyz 503 at once, not after the load in the kernel's queue."""
+    engine = Engine(ready=False)
+    balance, board, sibling, listener, _ = pair(engine=engine)
+    board.publish(sibling, UNAVAILABLE, 0)  # loading too
+    assert balance.may_accept() and listener.accepting
+    assert board.siblings(sibling) == [(UNAVAILABLE, 0)]  # still no load for a sibling to defer to
+    board.publish(sibling, 0, 0)  # the sibling is ready first: it takes the connections from now on
+    assert not balance.may_accept() and not listener.accepting
+    alone = Balance(None, Policy())
+    alone._readiness = engine
+    assert alone.may_accept()
+
+
+def test_a_load_no_retry_fixes_ends_the_server_only_while_no_sibling_serves() -> None:
+    missing = FileNotFoundError("weights")
+    balance, board, sibling, _, _ = pair(engine=Engine(ready=False, load_error=missing, fatal_error=missing))
+    assert balance.fatal_error() is None  # a replacement beside a serving sibling: the server serves on
+    board.publish(sibling, UNAVAILABLE, 0)
+    assert balance.fatal_error() is missing
+    other, board, sibling, _, _ = pair(engine=Engine(ready=False, load_error=RuntimeError("CUDA error")))
+    board.publish(sibling, UNAVAILABLE, 0)
+    assert other.fatal_error() is None  # a retry may fix it: not fatal
 
 
 def test_a_worker_whose_model_failed_accepts_only_when_no_sibling_can() -> None:

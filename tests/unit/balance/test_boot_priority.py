@@ -98,7 +98,7 @@ class FakeBoot(BootPriority):
 class Engine:
     def __init__(self) -> None:
         self.ready = False
-        self.load_error = None
+        self.fatal_error = None
 
     def close(self, timeout_s: float) -> bool:
         return True

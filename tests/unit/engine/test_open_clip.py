@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import random
+import string
+import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -72,6 +76,69 @@ def test_tokens_past_the_context_length_are_cut_keeping_the_end_token(plain_stat
     tokens = model.tokenize(["word " * 200])
     assert tokens.lengths == (77,) and tokens.truncated == (True,)
     assert tokens.ids[0, -1] == 49407  # open_clip's end-of-text token closes a cut text too
+
+
+@pytest.fixture(scope="module")
+def clip_text() -> Any:
+    """The text tower's tokenizing alone (no weights): open_clip's tokenizer for ARCH."""
+    import open_clip
+
+    from service.engine.open_clip_family import ClipText
+
+    return ClipText(torch.nn.Identity(), open_clip.get_tokenizer(ARCH))
+
+
+def unseen_words(rng: random.Random, chars: int, word: int) -> str:
+    """``chars`` characters of ``word``-letter words no tokenizer has seen: BPE's dearest text."""
+    text = ""
+    while len(text) < chars:
+        text += "".join(rng.choices(string.ascii_lowercase, k=word)) + " "
+    return text[:chars].strip()
+
+
+TEXTS = ["a cat", "cat " * 74, "cat " * 75, "cat " * 76, "a very long caption " * 25,
+         "Ünïcödé naïve café &amp; crème brûlée 🐱🐶", "東京 の 夜景 と 富士山 の 写真 " * 12,
+         "!!! ??? ... --- " * 30, "tabs\tand\n\nnewlines   everywhere " * 20, "word " * 1000]
+
+
+def test_only_the_tokens_that_fit_are_computed_and_they_are_open_clips(clip_text: Any) -> None:
+    tokenizer = clip_text._tokenizer
+    tokens = clip_text.tokenize(TEXTS)
+    assert np.array_equal(tokens.ids, tokenizer(TEXTS).numpy())
+    assert tokens.truncated == tuple(len(tokenizer.encode(t)) + 2 > 77 for t in TEXTS)
+    assert tokens.truncated[1:4] == (False, False, True)  # 74, 75, 76 tokens between the start and the end token
+
+
+def test_a_run_of_letters_longer_than_a_word_is_read_to_its_start_and_counts_as_cut(clip_text: Any) -> None:
+    from service.engine.open_clip_family import MAX_WORD_CHARS
+
+    t0 = time.perf_counter()
+    tokens = clip_text.tokenize(["q" * 2000, "z" * 2000, "cat " + "x" * (MAX_WORD_CHARS + 1)])
+    took = time.perf_counter() - t0
+    assert tokens.truncated == (True, True, True) and max(tokens.lengths) <= 77
+    start = clip_text.tokenize(["q" * MAX_WORD_CHARS])
+    assert np.array_equal(tokens.ids[0], start.ids[0]) and start.truncated == (False,)
+    assert took < 0.5, f"{took:.2f}s"  # open_clip's own encode took ~0.3 s for each 2,000-letter run
+
+
+def test_the_largest_label_set_the_limits_allow_tokenizes_well_inside_the_deadline(clip_text: Any) -> None:
+    limits = Settings()
+    rng = random.Random(3)
+    labels = [unseen_words(rng, limits.max_text_chars, rng.randint(3, 64)) for _ in range(limits.max_labels)]
+    t0 = time.perf_counter()
+    tokens = clip_text.tokenize(labels)
+    took = time.perf_counter() - t0
+    print(f"\n{len(labels)} labels of {limits.max_text_chars} characters tokenized in {took:.2f}s")
+    assert all(tokens.truncated) and took < limits.request_timeout_s / 10, f"{took:.1f}s"
+
+
+def test_the_tokenizers_word_cache_stays_bounded(clip_text: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    from service.engine import open_clip_family
+
+    monkeypatch.setattr(open_clip_family, "BPE_CACHE_WORDS", 100)
+    clip_text.tokenize([unseen_words(random.Random(i), 60, 8) for i in range(50)])  # ~350 words it has not seen
+    assert 2 <= len(clip_text._tokenizer.cache) <= 100
+    assert clip_text.tokenize(["<start_of_text> a cat"]).lengths == (5,)  # the special tokens are still known
 
 
 def test_random_weights_are_seeded_alike_in_every_worker() -> None:

@@ -3,6 +3,7 @@ precision only when it agrees with float32, on real torch modules (one whose bfl
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -119,6 +120,23 @@ def test_auto_with_native_bf16_keeps_the_cast_once_weights_when_they_agree_and_a
     card = model.info.public()["precision"]
     assert card["towers"]["image"]["numerics"] == "bfloat16 cast once"
     assert [t["numerics"] for t in card["towers"]["image"]["trials"]] == ["bfloat16 cast once", "bfloat16 autocast"]
+
+
+def test_the_start_up_line_is_the_choice_and_its_speed_up_and_the_trials_go_to_the_card(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """One line per worker at info (every trial's timings made it some 800 characters); the whole reason at
+    debug level and in /v1/models."""
+    memo = SharedMemo()
+    with caplog.at_level(logging.DEBUG, logger="service.engine.precision"):
+        chosen = precision.settle(fresh_resnet18(), "auto", flags=ZEN4, timer=FakeTimer(FAST_CAST), memo=memo)
+        precision.settle(fresh_resnet18(), "auto", flags=ZEN4, timer=FakeTimer(FAST_CAST), memo=memo)
+    lines = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO and "serving in" in r.getMessage()]
+    assert lines == [
+        "serving in image bfloat16 cast once (GREENSERVE_DTYPE=auto): cpu avx512_bf16, measured here (image 3.33x "
+        "float32); every trial: /v1/models precision",
+        "serving in image bfloat16 cast once (GREENSERVE_DTYPE=auto): cpu avx512_bf16, as this server measured it; "
+        "every trial: /v1/models precision"]
+    assert f"precision: {chosen.reason}" in [r.getMessage() for r in caplog.records if r.levelno == logging.DEBUG]
 
 
 def test_a_trial_kept_in_the_memo_is_served_by_the_next_worker_without_timing() -> None:

@@ -15,7 +15,8 @@ from torch import nn
 
 from harness.polling import quiet, until
 from service.engine import residency
-from service.engine.residency import LAZY, PINNED, TTL, Residency, Tower, Towers
+from service.engine.model_set import LAZY, PINNED, TTL, Residency
+from service.engine.residency import Tower, Towers
 from service.engine.towers import TowerFile
 from service.errors import Overloaded
 

@@ -20,7 +20,7 @@ from harness.fakes import FakeModel
 from harness.polling import quiet, until
 from service.engine.runner import Runner, limits
 from service.engine.scheduling import Admission
-from service.engine.types import Tokens
+from service.engine.types import ModelLoadError, Tokens
 from service.settings import Settings
 
 PIXELS = np.zeros((32, 32, 3), np.uint8)
@@ -164,3 +164,33 @@ def test_compute_nice_puts_decode_below_the_model_below_the_hub_and_0_leaves_the
         assert (decode - hub, seen[0] - hub) == (min(19, hub + compute_nice) - hub, min(19, hub + compute_nice // 2) - hub)
     finally:
         runner.close(5)
+
+
+def test_a_load_no_retry_fixes_is_fatal_and_logged_in_one_line(caplog: pytest.LogCaptureFixture) -> None:
+    """The settings name a model or weights that cannot load (``ModelLoadError``): the worker ends the server
+    with it (``Runner.fatal_error``), and its message is the one line logged, without a traceback."""
+    def missing() -> FakeModel:
+        raise ModelLoadError("open_clip:ViT-B-32 pretrained 'laion2b_s34b_b79k' is not in the local cache; run ...")
+
+    runner = Runner(Settings(), loader=missing, cores=1)
+    runner.start()
+    try:
+        until(lambda: runner.load_error is not None, what="the load failed")
+    finally:
+        runner.close(5)
+    assert runner.fatal_error is runner.load_error and not runner.ready
+    [record] = [r for r in caplog.records if r.levelname == "CRITICAL"]
+    assert record.getMessage().startswith("cannot serve resnet50: open_clip:ViT-B-32 pretrained") and record.exc_info is None
+
+
+def test_any_other_failed_load_is_not_fatal() -> None:
+    def broken() -> FakeModel:
+        raise RuntimeError("CUDA error: out of memory")
+
+    runner = Runner(Settings(), loader=broken, cores=1)
+    runner.start()
+    try:
+        until(lambda: runner.load_error is not None, what="the load failed")
+    finally:
+        runner.close(5)
+    assert runner.fatal_error is None and isinstance(runner.load_error, RuntimeError)

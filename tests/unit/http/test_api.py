@@ -160,6 +160,39 @@ def test_deadline_header_gives_504(fetcher: FakeFetcher) -> None:
     assert r.status_code == 504 and r.json["error"]["code"] == "deadline_exceeded"
 
 
+def _oip(**parameters: object) -> dict[str, object]:
+    inputs = [{"name": "IMAGE", "datatype": "BYTES", "shape": [1], "data": ["g10.png"],
+               "parameters": {"content_type": "url"}}]  # a relative name, not base64
+    return {"inputs": inputs, **({"parameters": parameters} if parameters else {})}
+
+
+PASSED = {"X-Request-Timeout": "1e-9"}
+PROTOCOLS = {  # (path, the request, what makes its deadline pass before its work)
+    "native": ("/v1/embeddings", {"json": {"images": ["g10.png"]}}, {"headers": PASSED}),
+    "native streamed": ("/v1/classify", {"json": {"images": ["g10.png"]}},
+                        {"headers": {**PASSED, "Accept": "application/x-ndjson"}}),
+    "OpenAI": ("/v1/embeddings", {"json": {"model": "fake", "input": ["g10.png"]}}, {"headers": PASSED}),
+    "OIP timeout of 1 µs": ("/v2/models/fake/infer", {"json": _oip()}, {"json": _oip(timeout=1)}),
+    "KServe v1": ("/v1/models/fake:predict", {"json": {"instances": ["g10.png"]}}, {"headers": PASSED}),
+    "TorchServe": ("/predictions/fake", {"data": solid(10)}, {"headers": PASSED}),
+}
+
+
+@pytest.mark.parametrize("protocol", list(PROTOCOLS))
+def test_a_deadline_passed_before_the_work_is_504_at_once_even_from_the_cache(model: FakeModel, fetcher: FakeFetcher,
+                                                                              protocol: str) -> None:
+    """Each request is first answered 200, so the embedding cache holds its image; again with its deadline
+    passed, it is 504 with no work done (answered from the cache, it waited for nothing, so the deadline's timer
+    never fired: it was 200)."""
+    path, request, passed = PROTOCOLS[protocol]
+    client = make_client(model, fetcher, cache="memory")
+    assert client.post(path, **request).status_code == 200  # type: ignore[arg-type]
+    forwards = len(model.batches)
+    r = client.post(path, **{**request, **passed})  # type: ignore[arg-type]
+    assert r.status_code == 504 and "deadline" in r.text, (protocol, r.text)
+    assert len(model.batches) == forwards
+
+
 @pytest.mark.parametrize("partial", [False, True])
 def test_a_fetch_the_deadline_cut_short_is_504_not_the_images_422(fetcher: FakeFetcher, partial: bool) -> None:
     """The fetcher's timer for the request's deadline can fire before the request's own (gevent's loop time

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import gevent.socket
 import pytest
 from flask.testing import FlaskClient
 
@@ -14,6 +15,7 @@ from harness.answers import same_answer
 from harness.fakes import BASE, FakeFetcher, FakeModel
 from harness.images import data_url, solid
 from service.app import create_app
+from service.http.connection import SEND_GRACE_S
 from service.settings import Settings
 
 NDJSON = {"Accept": "application/x-ndjson"}
@@ -139,3 +141,37 @@ def test_a_streamed_answers_access_line_waits_for_the_streams_end(monkeypatch: p
     line = lines[0]
     assert line["streamed"] is True and line["images"] == 2 and line["status"] == 200
     assert line["duration_ms"] >= 400 and set(line["timings_ms"]) >= {"decode", "inference", "total"}
+
+
+class RecordingSocket:
+    """The client's socket as gunicorn hands it to the app (one end of a pair nobody writes to), recording
+    each timeout the answer sets on it."""
+
+    def __init__(self) -> None:
+        self.sock, self.peer = gevent.socket.socketpair()
+        self.timeouts: list[float | None] = []
+
+    def settimeout(self, timeout: float | None) -> None:
+        self.timeouts.append(timeout)
+        self.sock.settimeout(timeout)
+
+    def fileno(self) -> int:
+        return self.sock.fileno()
+
+    def recv(self, *args: Any) -> bytes:
+        return self.sock.recv(*args)
+
+
+def test_each_line_is_written_within_the_requests_deadline() -> None:
+    client = make(FakeModel(delay_s=0.05), max_batch=1)
+    sock = RecordingSocket()
+    with sock.sock, sock.peer:
+        r = client.post("/v1/embeddings", json={"images": ALBUM}, headers={**NDJSON, "X-Request-Timeout": "30"},
+                        environ_overrides={"gunicorn.socket": sock})
+        lines = r.data.splitlines()
+        r.close()
+    armed, last = sock.timeouts[:-1], sock.timeouts[-1]
+    assert last is None  # released with the answer: the connection's next request reads as before
+    assert len(lines) == len(ALBUM) + 1 and len(armed) >= len(lines) + 1  # every line, and the closing chunk
+    assert all(t is not None and 0 < t <= 30 + SEND_GRACE_S for t in armed), armed
+    assert armed == sorted(armed, reverse=True), "each write gets what is left of one bound, not a fresh one"

@@ -43,7 +43,7 @@ def predict(client: FlaskClient, body: object, model: str = "fake", **kw: object
 
 def test_root_is_alive(client: FlaskClient) -> None:
     r = client.get("/")
-    assert r.status_code == 200 and r.json == {"status": "alive"}
+    assert r.status_code == 200 and r.json == {"status": "alive", "page": "/ui", "api": "/openapi.json", "ready": "/readyz"}
 
 
 def test_every_instance_form_is_an_image() -> None:

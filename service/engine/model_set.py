@@ -1,9 +1,10 @@
-"""The models a server serves: ``GREENSERVE_MODELS``, or ``GREENSERVE_MODEL`` alone as a set of one.
+"""The models a server serves: ``GREENSERVE_MODELS``, or ``GREENSERVE_MODEL`` alone as a set of one, and how each
+tower stays in memory (``Residency``). Torch-free and metric-free: the gunicorn master reads it.
 
     GREENSERVE_MODELS=search=open_clip:ViT-B-32@laion2b_s34b_b79k,labels=resnet50@/srv/weights/resnet50.pt
 
 Each entry is ``name=model[@weights][;image=R][;text=R]`` (weights default to ``GREENSERVE_WEIGHTS``; R a tower's
-residency, ``residency.Residency``: pinned, lazy or ttl:<seconds>); the first is the default, the model a request
+residency, ``Residency``: pinned, lazy or ttl:<seconds>); the first is the default, the model a request
 without a model name goes to. Without a residency, a text tower is pinned (searches never wait for a load) and an
 image tower unloads after 15 idle minutes (a backfill's tower gives its memory back between runs).
 
@@ -17,10 +18,33 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from service.engine.residency import PINNED, TTL, Residency
 from service.settings import Settings, SettingsError
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,63}$")
+PINNED, LAZY, TTL = "pinned", "lazy", "ttl"
+_TTL_RE = re.compile(r"^ttl:(\d+(?:\.\d+)?)(s|m|h)?$")
+_UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, None: 1.0}
+
+
+@dataclass(frozen=True)
+class Residency:
+    """How a tower stays in memory: pinned (loaded at start, never unloaded), lazy (loaded on first use), or
+    ttl (unloaded after ``ttl_s`` with no request using it, loaded again on demand)."""
+
+    kind: str = PINNED
+    ttl_s: float = 0.0
+
+    @classmethod
+    def parse(cls, text: str) -> Residency:
+        """``pinned``, ``lazy`` or ``ttl:<seconds>`` (``ttl:600``, ``ttl:10m``, ``ttl:1h``)."""
+        text = text.strip().lower()
+        if text in (PINNED, LAZY):
+            return cls(text)
+        if m := _TTL_RE.match(text):
+            return cls(TTL, float(m.group(1)) * _UNITS[m.group(2)])
+        raise ValueError(f"{text!r} is not pinned, lazy or ttl:<seconds> (ttl:600, ttl:10m)")
+
+
 TOWERS = ("image", "text")
 DEFAULT_RESIDENCY = {"image": Residency(TTL, 900.0), "text": Residency(PINNED)}
 
