@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from service.engine.types import ModelInfo
-from service.errors import NotFound
+from service.errors import NotFound, RequestError
 
 EMBEDDING_SUFFIX = "-embedding"
 TASKS = ("classify", "embeddings")  # what a model may be named for (its classes, its embeddings)
@@ -51,6 +51,8 @@ def _all(served: Served) -> list[str]:
 def resolve(served: Served, asked: str) -> Target:
     """KServe v1, TorchServe, OpenAI and the native routes: ``<m>`` is model m's classes, ``<m>-embedding``
     its embeddings; any other name is 404, naming what is served."""
+    if not isinstance(asked, str):
+        raise RequestError(f"model must be a string naming a served model; got {type(asked).__name__}")
     models = _all(served)
     if asked in models:
         return Target(asked, "classify")

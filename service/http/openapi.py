@@ -23,8 +23,9 @@ from service.settings import Settings
 
 OPENAPI_VERSION = "3.1.0"
 # what an inference request can be answered with besides 200: every status of the error tree that a
-# parsed request reaches (404 only where a model is named; 401 is added with a token; 405 is routing's)
-INFERENCE_STATUSES = (400, 408, 413, 415, 422, 429, 499, 500, 503, 504)
+# parsed request reaches (404: a model its body names is not served; 401 is added with a token; 405 is
+# routing's)
+INFERENCE_STATUSES = (400, 404, 408, 413, 415, 422, 429, 499, 500, 503, 504)
 STATUS_TEXT = {
     400: "the request is malformed or asks for what the model cannot do (see error.code)",
     401: "missing or wrong bearer token (Authorization: Bearer <GREENSERVE_API_TOKEN>)",
@@ -147,8 +148,7 @@ def _paths(settings: Settings) -> dict[str, Any]:
 
 def _inference(task: str) -> dict[str, Any]:
     name = task.capitalize()
-    statuses = sorted((*INFERENCE_STATUSES, 404) if task == "embeddings" else INFERENCE_STATUSES)
-    errors = {status: _error(status, retry_after=status in (429, 503)) for status in statuses}
+    errors = {status: _error(status, retry_after=status in (429, 503)) for status in INFERENCE_STATUSES}
     body = {"required": True, "content": {
         "application/json": {"schema": ref(f"{name}Request")},
         "multipart/form-data": {"schema": ref(f"{name}Form"),

@@ -247,11 +247,11 @@ def test_statistics_in_tritons_shape_count_this_infer(server: GunicornServer, al
     assert after["last_inference"] >= before["last_inference"] and after["last_inference"] > 1.7e12  # ms, Unix
 
 
-def test_extensions_it_does_not_serve_answer_in_oip_shape(server: GunicornServer) -> None:
+def test_extensions_it_does_not_serve_and_unknown_models_answer_in_oip_shape(server: GunicornServer) -> None:
     pids = server.worker_pids()
     calls = [("GET", "/v2/systemsharedmemory/status"), ("POST", "/v2/systemsharedmemory/region/r/register"),
              ("GET", "/v2/cudasharedmemory/status"), ("POST", "/v2/cudasharedmemory/region/r/unregister"),
-             ("GET", "/v2/trace/setting"), ("POST", "/v2/logging"), ("POST", f"/v2/repository/models/{E2E_MODEL}/load"),
+             ("GET", "/v2/trace/setting"), ("POST", "/v2/logging"), ("POST", "/v2/repository/models/no-such-model/load"),
              ("DELETE", f"/v2/models/{E2E_MODEL}/infer"), ("GET", f"/v2/models/{E2E_MODEL}/infer")]
     for method, path in calls:
         r = requests.request(method, server.url + path, json={}, timeout=TIMEOUT)
