@@ -73,7 +73,7 @@ def test_an_idle_image_tower_unloads_and_comes_back_while_searches_answer(
             idle = [search(srv, session) for _ in range(30)]
             during: list[float] = []
             answer: list[requests.Response] = []
-            reload = threading.Thread(target=lambda: answer.append(
+            reload = threading.Thread(target=lambda into=answer: into.append(
                 requests.post(srv.url + "/v1/embeddings", json=album, timeout=TIMEOUT)))
             t0 = time.monotonic()
             reload.start()
