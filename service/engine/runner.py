@@ -86,7 +86,8 @@ class Runner:
         # texts get their own batcher on the same one-thread pool: their forwards take turns with the
         # images' batches and are never mixed into one
         self.text_batcher = Batcher(self._forward_texts, self._infer_pool, self.scheduling.texts,
-                                    self.scheduling.text_rules(), stats=BatchStats(on_batch=metrics.observe_text_batch))
+                                    self.scheduling.text_rules(), offers=self._preemption,
+                                    stats=BatchStats(on_batch=metrics.observe_text_batch))
         if loaders is None:
             spec = model_set(settings)[0]
             spec = replace(spec, name=model.info.name) if model is not None and not settings.models else spec

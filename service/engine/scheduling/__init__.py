@@ -43,7 +43,8 @@ first-decode            a streamed answer's first decode holds the reads
                         rules.first_decode · — · test_rules::test_first_decode
 drop                    a cancelled request's images, and those past their deadline, never reach the model
                         order.still_due · GREENSERVE_REQUEST_TIMEOUT_S · test_order::test_still_due
-text                    texts take a queue slot per 8, batch apart from images, and wait only for texts being tokenised
+text                    texts take a queue slot per 8, batch apart from images, wait only for texts being tokenised,
+                        and run between the blocks of a running image forward (a search is interactive)
                         rules.text_slots, rules.text_plan · GREENSERVE_MAX_TEXT_BATCH · test_rules::test_text
 
 How many cores a forward has is ``cores.CorePlan``'s (GREENSERVE_BORROW_IDLE_CORES).

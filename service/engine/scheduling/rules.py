@@ -141,6 +141,7 @@ class BatchPlan:
     closed: bool = False
     others: Run = Run()
     model: str = ""
+    interject: bool = False  # run between the blocks of a forward already running, rather than after it
 
 
 # ---------------------------------------------------------------------------------------------- admission
@@ -314,9 +315,11 @@ def interjection(view: WorkerView, running: Forming, left: int) -> Run:
 
 
 def text_plan(view: WorkerView, forming: Forming) -> BatchPlan:
-    """text: a text batch holds texts only and waits (max_wait) only while texts are being tokenised."""
+    """text: a text batch holds texts only and waits (max_wait) only while texts are being tokenised; it is
+    interactive work (a search): it runs between the blocks of a running image forward, not after it."""
     until = forming.started + view.limits.max_wait_s if view.texts_coming > 0 else view.now
-    return BatchPlan(view.limits.max_text_batch, None, until, model=forming.members[0].model)
+    return BatchPlan(view.limits.max_text_batch, None, until, model=forming.members[0].model,
+                     interject=view.limits.interject)
 
 
 def _one_model(due: list[Waiting]) -> tuple[Waiting, ...]:

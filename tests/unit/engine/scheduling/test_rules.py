@@ -288,7 +288,9 @@ def test_batch_plan_puts_the_first_row_before_others_and_others_before_gathering
 def test_text(n: int, slots: int) -> None:
     assert rules.text_slots(n) == slots
     forming = Forming(NOW - 0.001, (Waiting(0.0, 0, 1, "c"),))
-    assert rules.text_plan(view(texts_coming=0), forming) == BatchPlan(64, None, NOW)  # a lone query: at once
+    assert rules.text_plan(view(texts_coming=0), forming) == BatchPlan(64, None, NOW, interject=True)  # at once,
+    # and between the blocks of a running image forward: a search is interactive
+    assert not rules.text_plan(view(limits=limits(interject=False)), forming).interject
     assert rules.text_plan(view(texts_coming=3), forming).wait_until == pytest.approx(NOW - 0.001 + 0.005)
 
 
