@@ -25,8 +25,8 @@ from service.engine.forwarding import BatchStats, Outcome, RunBatch, RunModel, f
 from service.engine.preemption import Preemption
 from service.engine.scheduling.admission import Admission
 from service.engine.scheduling.order import FairQueue, Queued, still_due
-from service.engine.scheduling.rules import BatchPlan, Forming, Run
 from service.engine.scheduling.scheduler import BatchRules
+from service.engine.scheduling.view import BatchPlan, Forming, Run
 from service.engine.types import Row
 from service.errors import InferenceFailed
 
