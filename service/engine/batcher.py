@@ -25,8 +25,8 @@ from service.engine.forwarding import BatchStats, Outcome, RunBatch, RunModel, f
 from service.engine.preemption import Preemption
 from service.engine.scheduling.admission import Admission
 from service.engine.scheduling.order import FairQueue, Queued, still_due
-from service.engine.scheduling.rules import Forming, Run
 from service.engine.scheduling.scheduler import BatchRules
+from service.engine.scheduling.view import BatchPlan, Forming, Run
 from service.engine.types import Row
 from service.errors import InferenceFailed
 
@@ -35,12 +35,16 @@ log = logging.getLogger(__name__)
 
 class Batcher:
     def __init__(self, run_model: RunModel, pool: ThreadPool, queue: FairQueue, rules: BatchRules, *,
-                 preemption: Preemption | None = None, stats: BatchStats | None = None) -> None:
+                 preemption: Preemption | None = None, offers: Preemption | None = None,
+                 stats: BatchStats | None = None) -> None:
+        """``preemption``: this batcher's forwards can be interrupted at the model's points; ``offers``: its
+        batches may run inside another batcher's forward when a plan says ``interject``."""
         self._run_model = run_model
         self._pool = pool
         self._queue = queue
         self._rules = rules
         self._preemption = preemption
+        self._offers = offers
         self._running: Forming | None = None
         self._interject_left = 0
         self._interjecting = False
@@ -64,12 +68,15 @@ class Batcher:
 
     def _collect_forever(self) -> None:
         while True:
-            batch, urgent = self._collect()
-            if live := still_due(batch):
-                self._run(live, urgent)
+            batch, plan = self._collect()
+            if not (live := still_due(batch)):
+                continue
+            if plan.interject and self._offers is not None and self._offered(live):
+                continue
+            self._run(live, plan.urgent)
 
-    def _collect(self) -> tuple[list[Queued], bool]:
-        """The next batch, formed as the plans say, and whether its forward is urgent."""
+    def _collect(self) -> tuple[list[Queued], BatchPlan]:
+        """The next batch, formed as the plans say, and the last plan (is it urgent? may it interject?)."""
         while not (head := self._queue.pop()):
             self._queue.arrived.clear()
             self._queue.arrived.wait()
@@ -92,7 +99,7 @@ class Batcher:
                 break
             self._queue.arrived.clear()
             self._queue.arrived.wait(remaining)
-        return batch, plan.urgent
+        return batch, plan
 
     def _took(self, items: list[Queued]) -> list[Queued]:
         self._rules.taken(items)
@@ -101,6 +108,16 @@ class Batcher:
     def _run_now(self, run: Run) -> None:
         if live := still_due(self._queue.take(run.members)):
             self._run(self._took(live), run.urgent)
+
+    def _offered(self, batch: list[Queued]) -> bool:
+        """Run ``batch`` between the blocks of the forward running now (``offers``); False when none runs."""
+        assert self._offers is not None
+        job = self._offers.offer(forward_stacked, self._forward_for(batch), [it.pixels for it in batch])
+        if job is None:
+            return False
+        started = time.monotonic()
+        self._deliver(batch, job.get(), started, time.monotonic() - started)
+        return True
 
     def _run(self, batch: list[Queued], urgent: bool) -> None:
         """One forward, interruptible at the model's points when there are any."""

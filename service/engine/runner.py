@@ -40,6 +40,7 @@ from service.engine.model_set import Residency, model_set
 from service.engine.preemption import Preemption
 from service.engine.residency import Tower, Towers
 from service.engine.scheduling import Admission, Limits, Scheduler, Signals
+from service.engine.scheduling.rules import lane
 from service.engine.towers import TowerFile, give_back_freed_memory, reload, tower_files, unload
 from service.engine.types import BatchOutputs, EncodedJpeg, ModelInfo, ModelLoadError, Tokens
 from service.errors import GreenserveError, Overloaded
@@ -86,7 +87,8 @@ class Runner:
         # texts get their own batcher on the same one-thread pool: their forwards take turns with the
         # images' batches and are never mixed into one
         self.text_batcher = Batcher(self._forward_texts, self._infer_pool, self.scheduling.texts,
-                                    self.scheduling.text_rules(), stats=BatchStats(on_batch=metrics.observe_text_batch))
+                                    self.scheduling.text_rules(), offers=self._preemption,
+                                    stats=BatchStats(on_batch=metrics.observe_text_batch))
         if loaders is None:
             spec = model_set(settings)[0]
             spec = replace(spec, name=model.info.name) if model is not None and not settings.models else spec
@@ -233,7 +235,7 @@ class Runner:
     @contextlib.contextmanager
     def admit(self, n_images: int, *, coming: int | None = None, arrived: float | None = None,
               caller: str = "", streamed: bool = False, model: str | None = None, towers: tuple[str, ...] = (),
-              deadline: float | None = None) -> Iterator[Admission]:
+              deadline: float | None = None, urgency: int = 3) -> Iterator[Admission]:
         """Reserve queue slots for a request to ``model`` (the default without one) once the ``towers`` it needs
         are in memory (``residency``): 503 while it loads, or when a tower cannot be back by ``deadline``."""
         engine = self.engine(model)
@@ -244,7 +246,7 @@ class Runner:
             self.towers.ensure(engine.name, towers, deadline or time.monotonic() + self.settings.request_timeout_s)
         with self.towers.using(engine.name, towers), \
                 self.scheduling.admit(n_images, coming=coming, arrived=arrived, caller=caller, ready=engine.ready,
-                                      streamed=streamed, model=engine.name) as admission:
+                                      streamed=streamed, model=engine.name, lane=lane(urgency)) as admission:
             yield admission
 
     def wait_to_fetch(self, admission: Admission) -> None:

@@ -67,6 +67,15 @@ def caller_of(headers: Mapping[str, str], remote_addr: str | None, who: Identiti
     return source, caller
 
 
+_URGENCY_RE = re.compile(r"(?:^|,)\s*u=([0-7])\s*(?:[,;]|$)")
+
+
+def _urgency(priority: str) -> int:
+    """The ``u`` member of an RFC 9218 Priority header; 3 (its default) when absent or malformed."""
+    m = _URGENCY_RE.search(priority)
+    return int(m.group(1)) if m else 3
+
+
 @dataclass(frozen=True)
 class RequestContext:
     request_id: str  # the caller's X-Request-ID when it is a sane one, else a fresh one
@@ -76,6 +85,7 @@ class RequestContext:
     caller: str = ""  # who is asking, for fair sharing (``caller_of``): never logged, never a metric label
     caller_source: str = ""  # how the caller was told apart: token, header, forwarded, address
     cache_control: str = ""  # the request's Cache-Control: no-cache (embed again) or no-store (no cache at all)
+    urgency: int = 3  # RFC 9218's Priority header (u=0..7; 3 when absent): 4-7 ask to be a backfill
 
     @classmethod
     def begin(cls, headers: Mapping[str, str], client: Any, now: float, *, remote_addr: str | None = None,
@@ -84,7 +94,8 @@ class RequestContext:
         rid = headers.get("X-Request-ID", "")
         source, caller = caller_of(headers, remote_addr, who)
         return cls(rid if _REQUEST_ID_RE.match(rid) else uuid.uuid4().hex, now, headers.get("X-Request-Timeout"),
-                   client, caller, source, headers.get("Cache-Control", "").lower())
+                   client, caller, source, headers.get("Cache-Control", "").lower(),
+                   _urgency(headers.get("Priority", "")))
 
     def deadline(self, request_timeout_s: float, protocol_timeout_s: float | None = None) -> float:
         """GREENSERVE_REQUEST_TIMEOUT_S from the start, shortened by X-Request-Timeout or by the protocol's

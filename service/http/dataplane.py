@@ -15,7 +15,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 from service import metrics
@@ -143,6 +143,7 @@ class DataPlane:
         check_task(self.info_of(req.model), req, task)
         self._count(ctx, req)
         deadline = self._deadline(ctx, timeout_s)
+        req = replace(req, urgency=ctx.urgency)
         tally = self._tally(ctx, req)
         with cancel_on_hang_up(self._client(ctx)):
             body = self.orchestrator.run(req, task, deadline=deadline, request_id=ctx.request_id, caller=ctx.caller,
@@ -158,6 +159,8 @@ class DataPlane:
             check_task(self.info_of(req.model), req, task)
         self._count(ctx, req)
         deadline = self._deadline(ctx, timeout_s)
+        req = replace(req, urgency=ctx.urgency)
+        req = replace(req, urgency=ctx.urgency)
         tally = self._tally(ctx, req)
         with cancel_on_hang_up(self._client(ctx)):
             rows = self.orchestrator.run_rows(req, deadline=deadline, request_id=ctx.request_id, caller=ctx.caller,

@@ -26,7 +26,7 @@ from service.http.context import RequestContext
 log = logging.getLogger(__name__)
 bp = Blueprint("hooks", __name__)
 _CONTEXT_HEADERS = ("X-Request-ID", "X-Request-Timeout", "Authorization", "X-Client-ID", "X-Real-IP", "X-Forwarded-For",
-                    "Cache-Control")
+                    "Cache-Control", "Priority")
 
 # ---------------------------------------------------------------------- request lifecycle
 

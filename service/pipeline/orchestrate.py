@@ -141,7 +141,7 @@ class Orchestrator:
         towers = ("image", "text") if req.text.prompts else ("image",)
         with self.runner.admit(len(req.refs), coming=len(req.refs) - len(outcomes), arrived=spans.started,
                                caller=caller, streamed=progress is not None, model=req.model, towers=towers,
-                               deadline=deadline) as admission:
+                               deadline=deadline, urgency=req.urgency) as admission:
             info = self.runner.engine(req.model).info
             assert info is not None  # admitted: the model is ready
             if progress is not None:
@@ -172,7 +172,7 @@ class Orchestrator:
         spans = Spans()
         texts = req.text.texts
         with self.runner.admit(text_slots(len(texts)), coming=0, arrived=spans.started, caller=caller,
-                               model=req.model, towers=("text",), deadline=deadline) as admission:
+                               model=req.model, towers=("text",), deadline=deadline, urgency=req.urgency) as admission:
             if progress is not None:
                 progress.admitted()
             with _deadline_timeout(deadline, "texts"):

@@ -31,3 +31,4 @@ class InferenceRequest:
     partial: bool = False
     text: TextOptions = TextOptions()
     model: str | None = None  # the served model it asks for (``http.model_names``); None: the default
+    urgency: int = 3  # RFC 9218's (the Priority header): 4-7 make it a backfill (``rules.lane``)

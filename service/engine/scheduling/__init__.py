@@ -43,14 +43,17 @@ first-decode            a streamed answer's first decode holds the reads
                         rules.first_decode · — · test_rules::test_first_decode
 drop                    a cancelled request's images, and those past their deadline, never reach the model
                         order.still_due · GREENSERVE_REQUEST_TIMEOUT_S · test_order::test_still_due
-text                    texts take a queue slot per 8, batch apart from images, and wait only for texts being tokenised
+backfill                a request that says Priority: u=4..7 (RFC 9218) queues behind every interactive image
+                        rules.lane · — · test_rules::test_lane
+text                    texts take a queue slot per 8, batch apart from images, wait only for texts being tokenised,
+                        and run between the blocks of a running image forward (a search is interactive)
                         rules.text_slots, rules.text_plan · GREENSERVE_MAX_TEXT_BATCH · test_rules::test_text
 
 How many cores a forward has is ``cores.CorePlan``'s (GREENSERVE_BORROW_IDLE_CORES).
 """
 
 from service.engine.scheduling.admission import Admission
-from service.engine.scheduling.rules import Limits
 from service.engine.scheduling.scheduler import NOT_READY_RETRY_S, BatchRules, Scheduler, Signals
+from service.engine.scheduling.view import Limits
 
 __all__ = ["NOT_READY_RETRY_S", "Admission", "BatchRules", "Limits", "Scheduler", "Signals"]

@@ -13,7 +13,7 @@ import contextlib
 import itertools
 from collections.abc import Callable, Iterator
 
-from service.engine.scheduling.rules import RequestView
+from service.engine.scheduling.view import RequestView
 
 _keys = itertools.count(1)
 RECENT_KEPT = 64
@@ -24,10 +24,11 @@ class Admission:
     their way (being fetched or decoded), how far they got, and whether it ended early."""
 
     __slots__ = ("key", "arrived", "start", "caller", "upstream", "cancelled", "streamed", "submitted", "taken",
-                 "decodes", "model", "_settled")
+                 "decodes", "model", "lane", "_settled")
 
     def __init__(self, upstream: int, arrived: float, start: float = 0.0, caller: str = "", *,
-                 streamed: bool = False, model: str = "", settled: Callable[[int], None] | None = None) -> None:
+                 streamed: bool = False, model: str = "", lane: int = 0,
+                 settled: Callable[[int], None] | None = None) -> None:
         self.key = next(_keys)
         self.arrived = arrived
         self.start = start
@@ -39,6 +40,7 @@ class Admission:
         self.taken = 0  # images that left the queue for a forward
         self.decodes = 0  # images that asked for a decode thread
         self.model = model  # the served model it asked for
+        self.lane = lane  # rules.INTERACTIVE, or rules.BACKFILL (it said so: Priority u > 3)
         self._settled = settled
 
     @contextlib.contextmanager

@@ -15,7 +15,7 @@ from typing import Any
 from gevent.event import AsyncResult, Event
 
 from service.engine.scheduling.admission import Admission
-from service.engine.scheduling.rules import Rank, Waiting
+from service.engine.scheduling.view import Rank, Waiting
 from service.errors import DeadlineExceeded
 
 
@@ -48,7 +48,8 @@ class FairQueue:
 
     def push(self, pixels: Any, deadline: float | None, admission: Admission) -> Queued:
         """Queue the request's next image with its next tag."""
-        waiting = Waiting(admission.next_tag(), next(self._order), admission.key, admission.caller, admission.model)
+        waiting = Waiting(admission.lane, admission.next_tag(), next(self._order), admission.key, admission.caller,
+                          admission.model)
         item = Queued(pixels, deadline, admission, waiting)
         heapq.heappush(self._heap, (waiting, item))
         self._changed(waiting, 1)

@@ -18,8 +18,8 @@ from service import metrics
 from service.engine.scheduling import rules
 from service.engine.scheduling.admission import Admission, Callers
 from service.engine.scheduling.order import FairQueue, Queued, RankedSlots
-from service.engine.scheduling.rules import BatchPlan, CallerView, Forming, Limits, Run, Verdict, WorkerView
 from service.engine.scheduling.urgency import Urgency
+from service.engine.scheduling.view import BatchPlan, CallerView, Forming, Limits, Run, Verdict, WorkerView
 from service.errors import Overloaded, OverShare
 
 NOT_READY_RETRY_S = 5
@@ -82,7 +82,7 @@ class Scheduler:
 
     @contextlib.contextmanager
     def admit(self, n_images: int, *, coming: int | None = None, arrived: float | None = None, caller: str = "",
-              ready: bool = True, streamed: bool = False, model: str = "") -> Iterator[Admission]:
+              ready: bool = True, streamed: bool = False, model: str = "", lane: int = 0) -> Iterator[Admission]:
         """Reserve ``n_images`` (of which ``coming`` will travel to the batcher; default all) for ``caller``,
         or refuse (``rules.admission``). A request that ends with an exception has its queued images dropped."""
         self._refuse(rules.admission(self.view(), caller, n_images, ready), caller)
@@ -90,7 +90,7 @@ class Scheduler:
         coming = n_images if coming is None else coming
         start = self._callers.admit(caller, n_images, now)
         admission = Admission(coming, now if arrived is None else arrived, start, caller, streamed=streamed,
-                              model=model, settled=self.settle)
+                              model=model, lane=lane, settled=self.settle)
         self._admitted += n_images
         self._upstream += coming
         self._requests[admission.key] = admission

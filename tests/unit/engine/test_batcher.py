@@ -18,7 +18,7 @@ from harness import batching
 from harness.polling import quiet, until
 from service.engine.batcher import Batcher
 from service.engine.scheduling import Admission, BatchRules, Scheduler
-from service.engine.scheduling.rules import BatchPlan, Forming, Run
+from service.engine.scheduling.view import BatchPlan, Forming, Run
 from service.errors import DeadlineExceeded, InferenceFailed
 
 

@@ -116,8 +116,10 @@ class SteppedForward:
         preemption.install(self.net.model)
         self.n_blocks = n_blocks
         self.batches: list[list[int]] = []
+        self.thread = 0  # the inference thread that ran the last forward
 
     def __call__(self, batch: np.ndarray) -> tuple[Any, Any]:
+        self.thread = threading.get_ident()
         values = batch[:, 0, 0, 0].astype(np.float32)
         self.batches.append([int(v) for v in values])
         out = self.net.model(torch.from_numpy(values)).numpy() - self.n_blocks  # each block added 1
@@ -190,3 +192,35 @@ def test_while_an_album_gathers_its_images_a_light_callers_image_runs_at_once() 
         assert first.get(timeout=3).features[0] == 1
     assert forward.batches == [[100], [1]]
     b.stop()
+
+
+def test_a_text_batch_runs_between_the_blocks_of_a_running_image_forward() -> None:
+    """A search does not wait for an album's forward: the text batcher offers its batch to the running one."""
+    from gevent.threadpool import ThreadPool
+
+    from service.engine.batcher import Batcher
+
+    b, scheduler, forward = preempting(n_blocks=8)
+    texts: list[int] = []
+
+    def encode(_model: str, ids: np.ndarray) -> tuple[Any, Any]:
+        texts.append(threading.get_ident())
+        forward.net.log.append("text")
+        return ids.astype(np.float32), None
+
+    offers = b._preemption  # the worker's one Preemption
+    text_batcher = Batcher(encode, ThreadPool(1), scheduler.texts, scheduler.text_rules(), offers=offers)
+    text_batcher.start()
+    with scheduler.admit(6, coming=0, caller="backfill") as album, \
+            scheduler.admit(1, coming=0, caller="search") as search:
+        rows = [b.submit(pixel(i), None, album) for i in range(6)]
+        forward.net.inside("block 0")  # the album's forward is running, held at its first block
+        query = text_batcher.submit(np.arange(4, dtype=np.int64), None, search)
+        quiet()  # offered to the running forward
+        forward.net.gate.set()
+        assert query.get(timeout=5).features.tolist() == [0.0, 1.0, 2.0, 3.0]
+        assert [r.get(timeout=5).features[0] for r in rows] == list(range(6))
+    text_batcher.stop()
+    b.stop()
+    # on the album forward's own thread, at its next point: not after it, not on the text batcher's thread
+    assert texts == [forward.thread] and forward.net.log.index("text") + 1 == forward.net.log.index("block 1")

@@ -92,3 +92,12 @@ def test_over_http_the_heavy_caller_gets_429_and_the_others_are_served() -> None
 def test_the_share_defaults_to_the_whole_queue() -> None:
     assert Settings(max_queue_images=64).caller_share() == 64
     assert Settings(max_queue_images=64, max_caller_images=16).caller_share() == 16
+
+
+@pytest.mark.parametrize(("header", "urgency"), [("", 3), ("u=7", 7), ("u=5, i", 5), ("i, u=0", 0), ("u=9", 3),
+                                                 ("u=x", 3), ("progressive", 3)])
+def test_the_priority_header_says_a_requests_urgency(header: str, urgency: int) -> None:
+    from service.http.context import RequestContext
+
+    ctx = RequestContext.begin({"Priority": header} if header else {}, None, 0.0)
+    assert ctx.urgency == urgency

@@ -12,10 +12,12 @@ import pytest
 from harness.batching import LIMITS
 from service.engine import scheduling
 from service.engine.scheduling import rules
-from service.engine.scheduling.rules import (
+from service.engine.scheduling.view import (
+    BACKFILL,
     FIRST,
     GATHER_GAP_S,
     GATHER_MAX_S,
+    INTERACTIVE,
     BatchPlan,
     CallerView,
     DecodeTurn,
@@ -60,7 +62,7 @@ def limits(**kw: Any) -> Any:
 
 
 def waiting(tag: float, req: RequestView, seq: int = 0) -> Waiting:
-    return Waiting(tag, seq, req.key, req.caller)
+    return Waiting(INTERACTIVE, tag, seq, req.key, req.caller)
 
 
 ALBUM = request(1, "album", upstream=20, submitted=10)
@@ -287,8 +289,10 @@ def test_batch_plan_puts_the_first_row_before_others_and_others_before_gathering
 @pytest.mark.parametrize(("n", "slots"), [(1, 1), (8, 1), (9, 2), (256, 32)])
 def test_text(n: int, slots: int) -> None:
     assert rules.text_slots(n) == slots
-    forming = Forming(NOW - 0.001, (Waiting(0.0, 0, 1, "c"),))
-    assert rules.text_plan(view(texts_coming=0), forming) == BatchPlan(64, None, NOW)  # a lone query: at once
+    forming = Forming(NOW - 0.001, (Waiting(INTERACTIVE, 0.0, 0, 1, "c"),))
+    assert rules.text_plan(view(texts_coming=0), forming) == BatchPlan(64, None, NOW, interject=True)  # at once,
+    # and between the blocks of a running image forward: a search is interactive
+    assert not rules.text_plan(view(limits=limits(interject=False)), forming).interject
     assert rules.text_plan(view(texts_coming=3), forming).wait_until == pytest.approx(NOW - 0.001 + 0.005)
 
 
@@ -304,3 +308,17 @@ def test_every_rule_in_the_table_names_a_function_and_a_test_that_exist() -> Non
         assert callable(target), f"{module}.{attr}"
     for module, test in tests:
         assert hasattr(importlib.import_module(f"tests.unit.engine.scheduling.{module}"), test), f"{module}::{test}"
+
+
+@pytest.mark.parametrize(("urgency", "lane"), [(0, INTERACTIVE), (3, INTERACTIVE), (4, BACKFILL), (7, BACKFILL)])
+def test_lane(urgency: int, lane: int) -> None:
+    assert rules.lane(urgency) == lane
+
+
+def test_a_backfill_batch_is_overtaken_by_any_interactive_image() -> None:
+    """Waiting orders by lane first: a backfill image tagged first still goes after an interactive one."""
+    backfill = Waiting(BACKFILL, 0.0, 0, 1, "album")
+    search = Waiting(INTERACTIVE, 50.0, 1, 2, "search")
+    assert min((backfill, search)) == search
+    v = view(request(1, upstream=5), request(2, "search", start=50.0), queue=(search,))
+    assert rules.overtaken(v, Forming(NOW, (backfill,)), own=1)
