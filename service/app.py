@@ -63,7 +63,7 @@ def create_app(settings: Settings | None = None, *, model: Model | None = None,
             loaders[spec.name] = functools.partial(load_for_worker, own, balance.slot, device_decode, balance.memo,
                                                    fleet.from_settings(settings))
         runner = Runner(settings, siblings=balance, loaders=loaders)
-    texts = TextEncoder(runner, settings.label_cache_size)
+    texts = TextEncoder(runner, settings.label_cache_size, max_tokens=settings.max_text_tokens)
     fetcher = fetcher or HttpFetcher(settings, pace=runner.scheduling.urgency)  # reads wait while urgent work runs
     orchestrator = Orchestrator(runner, fetcher, texts, max_pixels=settings.max_image_pixels,
                                 on_image_error=lambda err: metrics.IMAGE_ERRORS.labels(err.code).inc(),

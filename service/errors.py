@@ -11,7 +11,7 @@
     ├── MethodNotAllowed (405)        method_not_allowed
     ├── BodyTimeout (408)             body_timeout: the body did not arrive within GREENSERVE_BODY_TIMEOUT_S
     ├── PayloadTooLarge (413)         body_too_large, too_many_images, too_many_texts, text_too_long,
-    │                                 too_many_labels, json_too_complex
+    │                                 too_many_labels, too_many_tokens, json_too_complex
     ├── UnsupportedMediaType (415)    unsupported_content_type, unsupported_content_encoding
     ├── ImageError (422)              invalid_data_url; one image is unusable, carried per image in
     │   │                             ``details`` / ``errors``

@@ -138,6 +138,9 @@ class Settings:
     max_text_chars: int = _setting(2000, "characters per text, query, label or template", section="Limits", parse="int", lo=1,
                                    hi=1_000_000)
     max_labels: int = _setting(1000, "labels per zero-shot classify request", section="Limits", parse="int", lo=1, hi=100_000)
+    max_text_tokens: int = _setting(16_384, "tokens a request's texts (its texts, or its labels in their template) send "
+                                    "through the text tower, summed; texts already in the worker's cache do not count",
+                                    section="Limits", parse="int", lo=77, hi=10_000_000)
     max_top_k: int = _setting(100, "largest top_k a caller may ask for", section="Limits", parse="int", lo=1, hi=100_000)
     max_queue_images: int = _setting(256, "images admitted per worker (queued or running) before 503", section="Limits",
                                      parse="int", lo=1)

@@ -17,7 +17,7 @@ from service import metrics
 from service.engine.runner import Runner
 from service.engine.scheduling import Admission
 from service.engine.types import Row
-from service.errors import RequestError
+from service.errors import PayloadTooLarge, RequestError
 from service.pipeline.postprocess import embedding
 
 
@@ -31,9 +31,12 @@ class TextRow:
 
 
 class TextEncoder:
-    def __init__(self, runner: Runner, cache_size: int) -> None:
+    def __init__(self, runner: Runner, cache_size: int, *, max_tokens: int) -> None:
         self.runner = runner
         self.cache_size = cache_size
+        # The text tower's work grows with the tokens sent through it; without this bound, the largest label set
+        # of long labels the other limits allow took a ViT-B/32 ~55 s of one core (docs/SIZING.md, Texts)
+        self.max_tokens = max_tokens
         self._cache: OrderedDict[str, np.ndarray] = OrderedDict()
         self.hits = 0
         self.misses = 0
@@ -48,8 +51,15 @@ class TextEncoder:
             raise RequestError(f"text {first} has more tokens than the model's context length "
                                f"({info.context_length if info else '?'}), or a run of letters longer than any word; "
                                "shorten it or send \"truncate\": true", code="over_context_length")
-        pending = [self.runner.infer_text(tokens.ids[i], deadline, admission) for i in range(len(texts))]
-        rows: list[Row] = [p.get() for p in pending]
+        total = sum(tokens.lengths)
+        if total > self.max_tokens:
+            raise PayloadTooLarge(f"the texts come to {total} tokens through the text tower; the limit is "
+                                  f"{self.max_tokens} a request: send fewer or shorter texts (or labels), or split "
+                                  "the request (GREENSERVE_MAX_TEXT_TOKENS)", code="too_many_tokens")
+        # shortest first: the text batcher takes them in turn, and a batch runs at its longest text's length
+        by_length = sorted(range(len(texts)), key=tokens.lengths.__getitem__)
+        pending = {i: self.runner.infer_text(tokens.ids[i], deadline, admission) for i in by_length}
+        rows: list[Row] = [pending[i].get() for i in range(len(texts))]
         out = []
         for row, n, cut in zip(rows, tokens.lengths, tokens.truncated, strict=True):
             assert row.features is not None

@@ -31,7 +31,8 @@ def plane() -> Iterator[DataPlane]:
     balance = Balance(None, Policy.from_settings(settings))
     runner = Runner(settings, model=FakeModel(), siblings=balance)
     fetcher = FakeFetcher({f"{BASE}a.jpg": images.jpeg(64, 48, seed=1), f"{BASE}b.jpg": images.jpeg(64, 48, seed=2)})
-    orchestrator = Orchestrator(runner, fetcher, TextEncoder(runner, 16), max_pixels=settings.max_image_pixels)
+    texts = TextEncoder(runner, 16, max_tokens=settings.max_text_tokens)
+    orchestrator = Orchestrator(runner, fetcher, texts, max_pixels=settings.max_image_pixels)
     runner.start()
     yield DataPlane(settings, runner, orchestrator, balance)
 

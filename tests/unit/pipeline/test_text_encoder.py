@@ -52,7 +52,7 @@ class _Runner:
 
 def test_the_label_cache_serves_repeats_without_a_forward_and_evicts_the_least_recent() -> None:
     runner = _Runner()
-    enc = TextEncoder(runner, cache_size=2)
+    enc = TextEncoder(runner, cache_size=2, max_tokens=1 << 20)
     first = enc.unit_vectors(["a", "bb"], deadline=1e9, admission=_Admission())
     assert np.allclose(np.linalg.norm(first, axis=1), 1) and runner.forwarded == [1, 2]
     enc.unit_vectors(["bb", "a"], deadline=1e9, admission=_Admission())
@@ -64,17 +64,42 @@ def test_the_label_cache_serves_repeats_without_a_forward_and_evicts_the_least_r
 
 def test_a_label_cache_of_0_keeps_nothing() -> None:
     runner = _Runner()
-    enc = TextEncoder(runner, cache_size=0)
+    enc = TextEncoder(runner, cache_size=0, max_tokens=1 << 20)
     for _ in range(2):
         enc.unit_vectors(["a"], deadline=1e9, admission=_Admission())
     assert runner.forwarded == [1, 1] and enc.hits == 0
 
 
 def test_refusing_truncation_names_the_text() -> None:
-    enc = TextEncoder(_Runner(), cache_size=0)
+    enc = TextEncoder(_Runner(), cache_size=0, max_tokens=1 << 20)
     with pytest.raises(RequestError) as err:
         enc.encode(["ok", "x" * 20], deadline=1e9, admission=_Admission(), truncate=False)
     assert err.value.code == "over_context_length" and "text 1" in err.value.message
+
+
+def test_texts_past_the_token_budget_are_413_before_any_forward() -> None:
+    runner = _Runner()
+    enc = TextEncoder(runner, cache_size=0, max_tokens=10)
+    with pytest.raises(PayloadTooLarge) as err:
+        enc.encode(["aaaaaa", "bbbbbb"], deadline=1e9, admission=_Admission())
+    assert err.value.code == "too_many_tokens" and "12 tokens" in err.value.message and runner.forwarded == []
+    assert len(enc.encode(["aaaaa", "bbbbb"], deadline=1e9, admission=_Admission())) == 2  # at the budget
+
+
+def test_cached_labels_cost_nothing_of_the_budget() -> None:
+    runner = _Runner()
+    enc = TextEncoder(runner, cache_size=8, max_tokens=10)
+    enc.unit_vectors(["aaaaaa"], deadline=1e9, admission=_Admission())
+    enc.unit_vectors(["aaaaaa", "bbbbbb"], deadline=1e9, admission=_Admission())  # 6 new tokens, 6 cached
+    assert runner.forwarded == [6, 6]
+
+
+def test_texts_go_to_the_batcher_shortest_first_and_come_back_in_order() -> None:
+    runner = _Runner()
+    rows = TextEncoder(runner, cache_size=0, max_tokens=1 << 20).encode(["ccc", "a", "bb"], deadline=1e9,
+                                                                        admission=_Admission())
+    assert runner.forwarded == [1, 2, 3]  # a batch runs at its longest text's length: like lengths together
+    assert [r.tokens for r in rows] == [3, 1, 2] and [int(np.argmax(r.embedding)) for r in rows] == [3, 1, 2]
 
 
 def test_zero_shot_scores_are_a_softmax_over_scaled_cosines() -> None:
