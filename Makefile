@@ -14,7 +14,7 @@ STAMP  := $(VENV)/.installed
 TEST_STAMP := $(VENV)/.installed-test
 LINT_STAMP := $(VENV)/.installed-lint
 
-.PHONY: serve test test-fast lint compare dtype gpu-wheels clean help readme nginx browser redis
+.PHONY: serve test test-fast lint compare dtype gpu-wheels clean help readme nginx browser redis node
 
 help:
 	@echo "make serve    create .venv, install the server (torch included), start gunicorn -k gevent on \$$GREENSERVE_BIND (127.0.0.1:8000)"
@@ -47,7 +47,7 @@ serve: $(STAMP)
 	@echo "Each worker now loads $${GREENSERVE_MODEL:-resnet50}: ready once $${GREENSERVE_BIND:-127.0.0.1:8000}/readyz answers 200. The command line: $(BIN)/greenserve"
 	$(BIN)/gunicorn -c gunicorn.conf.py wsgi:app
 
-test: $(TEST_STAMP) nginx browser redis
+test: $(TEST_STAMP) nginx browser redis node
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 # tests/e2e/ holds e2e tests only, so test-fast does not even import it (its clients' imports take seconds)
@@ -80,6 +80,15 @@ redis:
 		! command -v apt-get >/dev/null 2>&1 || { $(APT_REDIS); } || \
 		{ apt-get update -qq >/dev/null 2>&1 && { $(APT_REDIS); }; } || \
 		echo "redis-server could not be installed: tests/e2e/test_e2e_cache_redis.py will skip"
+
+# Node for tests/e2e/test_e2e_immich.py's client, written from immich's server (the platform's fetch and FormData;
+# the test skips without Node 20 or later): Debian's nodejs, installed the same way.
+APT_NODE := DEBIAN_FRONTEND=noninteractive apt-get install -y -q nodejs >/dev/null 2>&1
+node:
+	@command -v node >/dev/null 2>&1 || [ "$$(id -u)" != 0 ] || \
+		! command -v apt-get >/dev/null 2>&1 || { $(APT_NODE); } || \
+		{ apt-get update -qq >/dev/null 2>&1 && { $(APT_NODE); }; } || \
+		echo "nodejs could not be installed: tests/e2e/test_e2e_immich.py will skip"
 
 lint: $(LINT_STAMP)
 	$(BIN)/ruff check .

@@ -7,6 +7,7 @@
              ─▶ cache (embeddings by image content: memory, then disk or redis; GREENSERVE_CACHE)
              ─▶ orchestrator (fetch → decode → infer → postprocess for one request)
              ─▶ data plane (the request path every protocol shares: parse, check, run; in app.extensions)
+             ─▶ upstream (immich's own ML service, for the immich tasks greenserve does not run; in app.extensions)
              ─▶ http (hooks, native routes, the protocols' routes, /openapi.json, the page at /: every blueprint
                 registered here; the body guard around them)
 """
@@ -32,6 +33,8 @@ from service.http import current, hooks, openapi, protocols, routes, ui
 from service.http.connection import guard_body, werkzeug_limits
 from service.http.context import Identities
 from service.http.dataplane import DataPlane
+from service.http.protocols import immich
+from service.http.upstream import HttpUpstream, Upstream
 from service.pipeline import device_decode
 from service.pipeline.decode import configure_pillow
 from service.pipeline.fetch import Fetcher, HttpFetcher
@@ -44,10 +47,10 @@ log = logging.getLogger(__name__)
 
 def create_app(settings: Settings | None = None, *, model: Model | None = None,
                fetcher: Fetcher | None = None, balance: Balance | None = None,
-               cache: EmbeddingCache | None = None) -> Flask:
+               cache: EmbeddingCache | None = None, upstream: Upstream | None = None) -> Flask:
     """Build the app. Without ``model`` the real one loads in the background (``/readyz`` says when);
     ``balance`` is the gunicorn worker's (``wsgi.py``), else one that only counts; ``cache`` replaces the
-    embedding cache ``GREENSERVE_CACHE`` names."""
+    embedding cache ``GREENSERVE_CACHE`` names; ``upstream`` the immich service ``GREENSERVE_IMMICH_UPSTREAM`` names."""
     settings = settings or Settings.from_env()
     logs.configure(settings.log_level, settings.log_format)
     configure_pillow(settings.max_image_pixels)
@@ -74,6 +77,7 @@ def create_app(settings: Settings | None = None, *, model: Model | None = None,
     repository = Follower(balance.repository, balance.slot, list(runner.engines), runner.serve, runner.serving,
                           balance.live_slots)
     app.extensions[current.EXTENSION] = DataPlane(settings, runner, orchestrator, balance, who, repository)
+    app.extensions[immich.UPSTREAM] = upstream or HttpUpstream.from_settings(settings)
     for blueprint in (hooks.bp, routes.bp, *protocols.BLUEPRINTS, openapi.bp, ui.bp):
         app.register_blueprint(blueprint)
     app.config.update(werkzeug_limits(settings))

@@ -1,7 +1,8 @@
 """Which models can be served, by name: each family's own list, as its library gives it.
 
     torchvision   torchvision.models.list_models(): its classifiers (resnet50; a bare name is torchvision's)
-    open_clip     open_clip.list_models(): its architectures (open_clip:ViT-B-32)
+    open_clip     open_clip.list_models(): its architectures (open_clip:ViT-B-32), and immich's names of them with
+                  their weights (open_clip:ViT-B-32__openai: ARCH__TAG, served the immich way)
     timm          timm.list_models() (timm:convnext_tiny)
 
 Looking a name up imports that family's library (seconds) and builds no model, so the gunicorn master checks
@@ -55,13 +56,21 @@ def check(spec: str) -> None:
     the closest names."""
     family, name = split(spec)
     known = names(family)
-    if name in known:
+    if name in known or family == "open_clip" and _immich_name(name, known):
         return
     close = difflib.get_close_matches(name, known, n=3, cutoff=0.6)
     hint = (f"did you mean {' or '.join(full_name(family, c) for c in close)}?" if close
             else f"try {', '.join(EXAMPLES[family])}")
     raise SettingsError(f"GREENSERVE_MODEL={spec!r} is not one of the {len(known)} {KINDS[family]} {family} lists; "
                         f"{hint} (`greenserve models` lists and searches them)")
+
+
+def _immich_name(name: str, architectures: list[str]) -> bool:
+    """immich's name of an open_clip model: an architecture (any case) and one of its pretrained tags,
+    ``ARCH__TAG`` (ViT-B-32__openai, ViT-B-32__laion2b-s34b-b79k; ``open_clip_family.IMMICH_SEPARATOR``)."""
+    arch, sep, tag = name.partition("__")
+    arch = next((a for a in architectures if a.lower() == arch.lower()), "")
+    return bool(sep and arch and importlib.import_module("open_clip").get_pretrained_cfg(arch, tag))
 
 
 def matching(pattern: str, families: tuple[str, ...] = FAMILIES) -> list[str]:

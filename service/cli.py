@@ -58,14 +58,13 @@ def _download(args: argparse.Namespace) -> str:
         if args.pretrained:
             raise SystemExit("--pretrained is for open_clip models; torchvision models have one default file")
         return download_weights(args.model, url=args.url, verify_hash=not args.no_verify_hash)
-    if not args.pretrained:
-        from service.engine.open_clip_family import pretrained_tags
+    from service.engine.open_clip_family import download, immich_split, pretrained_tags
 
-        tags = pretrained_tags(args.model.removeprefix("open_clip:"))
+    arch, tag = immich_split(args.model.removeprefix("open_clip:")) or (args.model.removeprefix("open_clip:"), "")
+    if not (args.pretrained or tag):  # immich's names carry their weights (ViT-B-32__openai)
+        tags = pretrained_tags(arch)
         raise SystemExit(f"name the weights with --pretrained; {args.model} has: {', '.join(tags) or 'none'}")
-    from service.engine.open_clip_family import download
-
-    return download(args.model.removeprefix("open_clip:"), args.pretrained)
+    return download(arch, args.pretrained or tag)
 
 
 def main(argv: list[str] | None = None) -> int:

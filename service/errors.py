@@ -2,10 +2,11 @@
 
     GreenserveError (500 internal_error; http_error for another framework status)
     ├── RequestError (400)            invalid_request, invalid_json, malformed_body, task_not_supported,
-    │                                 empty_text, over_context_length, text_not_supported,
-    │                                 labels_required, labels_not_supported, dimensions_not_supported,
-    │                                 token_input_not_supported, invalid_tensor, unexpected_output,
-    │                                 duplicate_output, json_too_deep, unnamed_form_part
+    │   │                             empty_text, over_context_length, text_not_supported,
+    │   │                             labels_required, labels_not_supported, dimensions_not_supported,
+    │   │                             token_input_not_supported, invalid_tensor, unexpected_output,
+    │   │                             duplicate_output, json_too_deep, unnamed_form_part
+    │   └── Unprocessable (422)       invalid_entries: immich's ``entries`` that do not parse (its ML service's 422)
     ├── Unauthorized (401)            unauthorized
     ├── NotFound (404)                not_found: no such route; model_not_found: no such model or version
     ├── MethodNotAllowed (405)        method_not_allowed
@@ -25,7 +26,10 @@
     ├── OverShare (429)               over_share: the caller has its share of the worker's queue; Retry-After
     ├── Overloaded (503)              overloaded, not_ready, model_unavailable (unloaded through the repository API); Retry-After
     │   └── OutOfMemory               out_of_memory: one image alone did not fit in the device's memory
-    ├── DeadlineExceeded (504)        deadline_exceeded
+    ├── NotServed (501)               task_not_served: an immich task (faces, OCR) with no GREENSERVE_IMMICH_UPSTREAM
+    ├── UpstreamFailed (502)          upstream_unreachable, upstream_failed: GREENSERVE_IMMICH_UPSTREAM could not be
+    │                                 reached, or answered more than GREENSERVE_MAX_BODY_BYTES
+    ├── DeadlineExceeded (504)        deadline_exceeded; upstream_timeout: the upstream did not answer in time
     ├── ClientGone (499)              client_closed_request: the client disconnected; its work stopped
     └── InferenceFailed (500)         inference_failed: the model raised on a batch
 
@@ -57,6 +61,11 @@ class GreenserveError(Exception):
 class RequestError(GreenserveError):
     status_code = 400
     code = "invalid_request"
+
+
+class Unprocessable(RequestError):
+    status_code = 422
+    code = "invalid_entries"
 
 
 class Unauthorized(GreenserveError):
@@ -162,6 +171,16 @@ class OutOfMemory(Overloaded):
     batcher splits the batch and retries the halves, and only an image that fails alone answers this."""
 
     code = "out_of_memory"
+
+
+class NotServed(GreenserveError):
+    status_code = 501
+    code = "task_not_served"
+
+
+class UpstreamFailed(GreenserveError):
+    status_code = 502
+    code = "upstream_unreachable"
 
 
 class DeadlineExceeded(GreenserveError):

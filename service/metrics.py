@@ -52,6 +52,10 @@ CALLERS_TRACKED = Gauge("greenserve_callers_tracked", "Callers a worker keeps an
 MODEL_REQUESTS = Counter("greenserve_model_requests_total", "Requests by served model (GREENSERVE_MODELS' names)",
                          ["model"])
 MODEL_IMAGES = Counter("greenserve_model_images_total", "Images asked of each served model", ["model"])
+IMMICH_REQUESTS = Counter("greenserve_immich_requests_total", "immich's POST /predict by task (clip-visual, clip-textual, "
+                          "facial-recognition, ocr, other, invalid) and status class (2xx, 4xx, 5xx)", ["task", "status"])
+IMMICH_SECONDS = Histogram("greenserve_immich_request_seconds", "immich's POST /predict, parsing to answer (a forward "
+                           "to GREENSERVE_IMMICH_UPSTREAM included), by task", ["task"], buckets=LATENCY_BUCKETS)
 TOWER_BYTES = Gauge("greenserve_tower_resident_bytes", "What each tower holds in memory, summed over live workers "
                     "(mapped pages of its file count where they are touched)", ["model", "tower"],
                     multiprocess_mode="livesum")

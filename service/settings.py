@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
-from service.settings_parse import SettingsError, check_allow_entry, check_callers, parse, range_text
+from service.settings_parse import SettingsError, check_allow_entry, check_callers, check_http_url, parse, range_text
 
 __all__ = ["SECTIONS", "TUNING", "Settings", "SettingsError", "default_workers", "env_name"]
 
@@ -80,6 +80,8 @@ class Settings:
     api_token: str = _setting("", "bearer token required when set on every protocol's inference and metadata routes, never on "
                               "health routes (empty = no auth); several, comma-separated: each is a caller of its own",
                               section="Server")
+    immich_upstream: str = _setting("", "immich's own ML service (http://immich-machine-learning:3003), where POST /predict "
+                                    "forwards faces and OCR; empty: those are 501 (docs/PROTOCOLS.md#immich)", section="Server")
 
     model: str = _setting("resnet50", "the model: a torchvision classifier (resnet50, torchvision:convnext_tiny) or an open_clip "
                           "architecture (open_clip:ViT-B-32, image and text towers) or a timm backbone (timm:convnext_tiny); see "
@@ -271,11 +273,8 @@ class Settings:
                 self.model.startswith("open_clip:") and _TAG_RE.match(self.weights)):
             raise SettingsError(f"GREENSERVE_WEIGHTS={self.weights!r} is neither auto/imagenet/random, an "
                                 "existing file, nor (for an open_clip model) a pretrained tag")
-        if self.image_base_url:
-            parts = urlsplit(self.image_base_url)
-            if parts.scheme not in ("http", "https") or not parts.hostname:
-                raise SettingsError(f"GREENSERVE_IMAGE_BASE_URL={self.image_base_url!r} must be an absolute "
-                                    "http(s) URL")
+        check_http_url("GREENSERVE_IMAGE_BASE_URL", self.image_base_url)
+        check_http_url("GREENSERVE_IMMICH_UPSTREAM", self.immich_upstream)
         for entry in self.fetch_allow:
             check_allow_entry(entry)
         if self.dtype not in DTYPES:

@@ -38,6 +38,13 @@ def range_text(lo: float | None, hi: float | None) -> str:
     return f"{lo}..{hi}"
 
 
+def check_http_url(name: str, value: str) -> None:
+    """Empty (unset), or an absolute http(s) URL."""
+    parts = urlsplit(value)
+    if value and (parts.scheme not in ("http", "https") or not parts.hostname):
+        raise SettingsError(f"{name}={value!r} must be an absolute http(s) URL")
+
+
 def check_allow_entry(entry: str) -> None:
     if "://" in entry:
         parts = urlsplit(entry)

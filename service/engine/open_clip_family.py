@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import logging
 import os
+import unicodedata
 from collections.abc import Sequence
 from typing import Any, cast
 
 import numpy as np
 import open_clip
+import regex
 import torch
 from open_clip.constants import HF_SAFE_WEIGHTS_NAME, HF_WEIGHTS_NAME
 from open_clip.tokenizer import SimpleTokenizer
@@ -34,6 +36,13 @@ TASKS = ("embeddings", "classify", "rank")
 # counts as truncated. The cache is emptied past BPE_CACHE_WORDS (docs/SIZING.md, Texts).
 MAX_WORD_CHARS = 64
 BPE_CACHE_WORDS = 100_000
+# immich names an open_clip model ARCH__TAG (ViT-B-32__openai, ViT-B-32__laion2b-s34b-b79k). A model served under
+# such a name is served the immich way, so that its vectors are an immich library's (docs/MODELS.md, immich): the
+# reference's pixels (``Transform.exact``), and texts read as immich's Hugging Face tokenizer reads them
+# (``immich_clean``, ``IMMICH_WORDS``) instead of through open_clip's ftfy and HTML unescaping.
+IMMICH_SEPARATOR = "__"
+# the Hugging Face CLIP tokenizer's word split: open_clip's, less its special tokens (immich's text is lower case)
+IMMICH_WORDS = regex.compile(r"""'s|'t|'re|'ve|'m|'ll|'d|[\p{L}]+|[\p{N}]|[^\s\p{L}\p{N}]+""")
 
 
 def architectures() -> list[str]:
@@ -42,6 +51,22 @@ def architectures() -> list[str]:
 
 def pretrained_tags(arch: str) -> list[str]:
     return list(open_clip.list_pretrained_tags_by_model(arch))
+
+
+def immich_split(name: str) -> tuple[str, str] | None:
+    """An immich name's (architecture as open_clip spells it, pretrained tag); None for a plain architecture.
+    immich capitalises a few architectures its own way (XLM-Roberta-Base-ViT-B-32)."""
+    arch, sep, tag = name.partition(IMMICH_SEPARATOR)
+    if not sep or not arch or not tag:
+        return None
+    return next((a for a in architectures() if a.lower() == arch.lower()), arch), tag
+
+
+def immich_clean(text: str) -> str:
+    """A text as immich's tokenizer reads it: runs of whitespace one space (immich's ``clean_text``), then the
+    Hugging Face CLIP tokenizer's normalizer (NFC, lower case). open_clip's own also fixes text with ftfy (curly
+    quotes straightened, ligatures and full-width letters unfolded) and unescapes HTML (&amp;): other tokens."""
+    return unicodedata.normalize("NFC", " ".join(text.split())).lower()
 
 
 class ImageTower(nn.Module):
@@ -58,9 +83,12 @@ class ImageTower(nn.Module):
 class ClipText:
     """The text tower: open_clip's tokenizer (its vocabulary ships in the wheel) and ``encode_text``."""
 
-    def __init__(self, clip: nn.Module, tokenizer: Any) -> None:
+    def __init__(self, clip: nn.Module, tokenizer: Any, *, immich: bool = False) -> None:
         self._clip: Any = clip  # open_clip's CLIP or CustomTextCLIP (untyped)
         self._tokenizer = tokenizer
+        # how a text is cleaned and split into words before BPE: open_clip's, or immich's (``IMMICH_SEPARATOR``)
+        self._clean = immich_clean if immich else tokenizer.clean_fn
+        self._words = IMMICH_WORDS if immich else getattr(tokenizer, "pat", None)
         self.context_length = int(tokenizer.context_length)
         # CLIP's text transformer is causal and pools at the end token: a token never sees the padding
         # after it, so a batch can run at its longest text's length instead of the context length (a
@@ -96,7 +124,7 @@ class ClipText:
         tok = self._tokenizer
         out: list[int] = []
         long_word = False
-        for match in tok.pat.finditer(tok.clean_fn(text)):
+        for match in self._words.finditer(self._clean(text)):
             if len(out) >= room:  # one more word: at least one more token
                 return out[:room], True
             word = match.group()
@@ -120,17 +148,24 @@ class ClipText:
         return cast(torch.Tensor, out)
 
 
-def load(arch: str, weights: str, *, device: torch.device) -> LoadedModel:
+def load(name: str, weights: str, *, device: torch.device) -> LoadedModel:
+    """``name``: an architecture (ViT-B-32), or immich's name of one with its weights (ViT-B-32__openai), served
+    the immich way (``IMMICH_SEPARATOR``)."""
+    immich = immich_split(name)
+    arch, weights = (immich[0], _immich_weights(name, *immich, weights)) if immich else (name, weights)
     if arch not in architectures():
-        raise ModelLoadError(f"GREENSERVE_MODEL=open_clip:{arch} is not an open_clip architecture; try "
-                             "ViT-B-32, ViT-B-16, ViT-L-14, ViT-B-16-SigLIP (`greenserve models`)")
+        raise ModelLoadError(f"GREENSERVE_MODEL=open_clip:{name} is not an open_clip architecture; try "
+                             "ViT-B-32, ViT-B-16, ViT-L-14, ViT-B-16-SigLIP, or immich's ViT-B-32__openai "
+                             "(`greenserve models`)")
     built, source, tag_cfg = _build(arch, weights)
+    if immich and not tag_cfg:  # weights from a file, or random: the preprocessing is still the tag's
+        tag_cfg = dict(open_clip.get_pretrained_cfg(arch, immich[1]))
     clip: Any = built.eval().to(device)
-    transform = _transform(open_clip.get_model_preprocess_cfg(clip), tag_cfg)
-    text = ClipText(clip, open_clip.get_tokenizer(arch))
+    transform = _transform(open_clip.get_model_preprocess_cfg(clip), tag_cfg, exact=immich is not None)
+    text = ClipText(clip, open_clip.get_tokenizer(arch), immich=immich is not None)
     scale = float(clip.logit_scale.detach().exp()) if getattr(clip, "logit_scale", None) is not None else 100.0
     bias = float(clip.logit_bias.detach()) if getattr(clip, "logit_bias", None) is not None else 0.0
-    info = ModelInfo(f"open_clip:{arch}", TASKS, None, (), str(device), "float32", source, transform, format="open_clip",
+    info = ModelInfo(f"open_clip:{name}", TASKS, None, (), str(device), "float32", source, transform, format="open_clip",
                      family="open_clip", towers=("image", "text"), context_length=text.context_length,
                      logit_scale=scale, logit_bias=bias)
     # channels_last does nothing for a ViT (one patchifying conv, then matmuls): measured in BENCHMARKS
@@ -142,6 +177,16 @@ def tower_roots(clip: nn.Module) -> dict[str, tuple[nn.Module, tuple[str, ...]]]
     """What each tower casts for "cast once": the image tower is ``visual``; the text tower is the rest, less
     the logit scale and bias (scalars read once into ``ModelInfo``, kept float32)."""
     return {"image": (clip.get_submodule("visual"), ()), "text": (clip, ("visual.", "logit_scale", "logit_bias"))}
+
+
+def _immich_weights(name: str, arch: str, tag: str, weights: str) -> str:
+    """The weights of an immich-named model: its tag (``auto``), or a file or random ones in its place."""
+    if weights in ("auto", "random") or os.path.isfile(weights):
+        return tag if weights == "auto" else weights
+    if weights.lower().replace("-", "_") == tag.lower().replace("-", "_"):  # open_clip's spelling of a tag
+        return tag
+    raise ModelLoadError(f"open_clip:{name} names its weights ({tag}), GREENSERVE_WEIGHTS={weights!r} others: leave "
+                         f"it auto, give a file or random, or serve open_clip:{arch}{IMMICH_SEPARATOR}{weights}")
 
 
 def _build(arch: str, weights: str) -> tuple[nn.Module, str, dict[str, Any]]:
@@ -255,7 +300,7 @@ def download(arch: str, tag: str) -> str:
     return str(path)
 
 
-def _transform(pp: dict[str, Any], tag_cfg: dict[str, Any]) -> Transform:
+def _transform(pp: dict[str, Any], tag_cfg: dict[str, Any], *, exact: bool = False) -> Transform:
     pp = {**pp, **{k: v for k, v in tag_cfg.items() if k in ("mean", "std", "interpolation", "resize_mode")}}
     size = pp["size"]
     side = int(size if isinstance(size, int) else size[0])
@@ -263,4 +308,4 @@ def _transform(pp: dict[str, Any], tag_cfg: dict[str, Any]) -> Transform:
     if mode not in ("shortest", "squash"):
         raise ModelLoadError(f"open_clip resize_mode {mode!r} is not served (only shortest and squash)")
     return Transform(resize_size=side, crop_size=side, mean=tuple(pp["mean"]), std=tuple(pp["std"]),
-                     interpolation=pp.get("interpolation", "bicubic"), resize_mode=mode)
+                     interpolation=pp.get("interpolation", "bicubic"), resize_mode=mode, exact=exact)

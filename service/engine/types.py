@@ -39,6 +39,10 @@ class Transform:
     std: tuple[float, float, float] = IMAGENET_STD
     interpolation: str = "bilinear"
     resize_mode: str = "shortest"  # shortest side to resize_size, then centre crop | squash: whole image to crop
+    # the reference's pixels exactly (immich's, open_clip's own PIL transform): the whole JPEG decoded, the whole image
+    # resized, then an integer crop. Off (the default), a JPEG decodes at a reduced scale and only the crop's region
+    # is resampled, with Pillow's reducing gap: less decode time, slightly other pixels (docs/MODELS.md, immich)
+    exact: bool = False
 
     def crop_box(self, width: int, height: int) -> tuple[float, float, float, float]:
         """The source region (left, top, right, bottom) that resizing the shorter side to ``resize_size`` and
@@ -126,7 +130,8 @@ class ModelInfo:
                "dtype": self.dtype, "weights": self.weights, "format": self.format,
                "input": {"resize": t.resize_size, "crop": t.crop_size},
                "preprocessing": {"resize": t.resize_size, "crop": t.crop_size, "resize_mode": t.resize_mode,
-                                 "interpolation": t.interpolation, "mean": list(t.mean), "std": list(t.std)},
+                                 "interpolation": t.interpolation, "mean": list(t.mean), "std": list(t.std),
+                                 "exact": t.exact},
                "load_seconds": round(self.load_seconds, 3), "jpeg_decode": self.jpeg_decode,
                "weights_digest": self.weights_digest}
         if self.precision is not None:

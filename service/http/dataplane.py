@@ -94,6 +94,10 @@ class DataPlane:
         failed)."""
         return {name: (e.spec.model, e.info, _state(e)) for name, e in self.runner.engines.items()}
 
+    def configured(self) -> dict[str, tuple[str, str]]:
+        """Every served model's (model, weights) by name, as GREENSERVE_MODELS configures it (known while it loads)."""
+        return {name: (e.spec.model, e.spec.weights) for name, e in self.runner.engines.items()}
+
     def residency(self, model: str) -> dict[str, dict[str, str]]:
         """Each tower of ``model``: how it stays in memory (pinned, lazy, ttl:<s>), and whether it is now."""
         engine = self.runner.engine(model)

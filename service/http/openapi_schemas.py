@@ -161,7 +161,8 @@ def _model_card() -> Schema:
     size = obj({"resize": _integer(1), "crop": _integer(1)}, ("resize", "crop"))
     triple = {"type": "array", "items": {"type": "number"}, "minItems": 3, "maxItems": 3}
     preprocessing = obj({**size["properties"], "resize_mode": {"type": "string"}, "interpolation": {"type": "string"},
-                         "mean": triple, "std": triple}, ("resize", "crop", "resize_mode", "interpolation", "mean", "std"))
+                         "mean": triple, "std": triple, "exact": {"type": "boolean"}},
+                        ("resize", "crop", "resize_mode", "interpolation", "mean", "std", "exact"))
     text = obj({"context_length": {"type": ["integer", "null"]}, "over_context_length": {"type": "string"},
                 "logit_scale": {"type": "number"}, "logit_bias": {"type": "number"}},
                ("context_length", "over_context_length", "logit_scale", "logit_bias"))

@@ -39,6 +39,8 @@ def usable(mode: str, device: torch.device, transform: Transform) -> tuple[bool,
         return False, "GREENSERVE_JPEG_DECODE=pillow"
     if mode == "auto" and device.type != "cuda":
         return False, f"the model is on {device} (auto decodes on the device only on CUDA)"
+    if transform.exact:
+        return False, "the model's preprocessing is exact (Pillow's pixels, as its reference has them)"
     if transform.interpolation not in INTERPOLATIONS:
         return False, f"the model resizes with {transform.interpolation}, which only Pillow has"
     try:  # a tiny JPEG through the whole path: a missing nvJPEG shows here, and its first call is paid

@@ -12,7 +12,7 @@ from service.pipeline.preprocess import preprocess
 
 def decode_and_crop(data: bytes, transform: Transform, max_pixels: int) -> np.ndarray:
     """Runs in a decode thread: safe decode (JPEG draft at the resize size) then resize + crop."""
-    return preprocess(decode_image(data, max_pixels=max_pixels, draft_size=transform.resize_size), transform)
+    return preprocess(decode_image(data, max_pixels=max_pixels, draft_size=draft_size(transform)), transform)
 
 
 def checked_for_device(data: bytes, transform: Transform, max_pixels: int) -> np.ndarray | EncodedJpeg:
@@ -22,4 +22,9 @@ def checked_for_device(data: bytes, transform: Transform, max_pixels: int) -> np
     jpeg = jpeg_for_device(img, data)
     if jpeg is not None:
         return jpeg
-    return preprocess(decode_opened(img, data, draft_size=transform.resize_size), transform)
+    return preprocess(decode_opened(img, data, draft_size=draft_size(transform)), transform)
+
+
+def draft_size(transform: Transform) -> int | None:
+    """The JPEG draft scale's floor: the resize size, or none (every pixel decoded) for an exact transform."""
+    return None if transform.exact else transform.resize_size

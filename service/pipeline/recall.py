@@ -63,7 +63,9 @@ def model_id(info: ModelInfo) -> str:
         "format": info.format, "dtype": info.dtype, "device": info.device, "jpeg_decode": info.jpeg_decode,
         "numerics": {c.tower: c.numerics for c in precision.towers} if precision else {},
         "hardware": precision.hardware if precision else "",
-        "transform": [t.resize_size, t.crop_size, t.resize_mode, t.interpolation, list(t.mean), list(t.std)],
+        # "exact" only where set: the keys of the other models' stored outputs stay what they were
+        "transform": [t.resize_size, t.crop_size, t.resize_mode, t.interpolation, list(t.mean), list(t.std),
+                      *(["exact"] if t.exact else [])],
         "torch": torch.__version__, "pillow": PIL.__version__})
 
 

@@ -112,3 +112,14 @@ def test_settings_checks_the_model_name_against_its_family(monkeypatch: pytest.M
     monkeypatch.setenv("GREENSERVE_MODEL", "timm:convnext_tiny")
     assert cli.main(["settings"]) == 0
     assert "GREENSERVE_MODEL=timm:convnext_tiny" in capsys.readouterr().out
+
+
+def test_immichs_names_of_open_clip_models_are_served_names() -> None:
+    from service import catalog
+    from service.settings_parse import SettingsError
+
+    catalog.check("open_clip:ViT-B-32__openai")
+    catalog.check("open_clip:ViT-B-32__laion2b-s34b-b79k")  # immich spells open_clip's tags with hyphens
+    catalog.check("open_clip:XLM-Roberta-Base-ViT-B-32__laion5b_s13b_b90k")  # and some architectures its own way
+    with pytest.raises(SettingsError, match="ViT-B-32__nope"):
+        catalog.check("open_clip:ViT-B-32__nope")

@@ -4,6 +4,7 @@
     openai      OpenAI embeddings: the same /v1/embeddings and /v1/models, answered as supersets
     kserve_v1   KServe v1 (TF Serving style) ``instances``                                     / and /v1/models/<m>:predict
     torchserve  TorchServe's inference API (and a read-only /models)                           /ping, /predictions, /models
+    immich      immich's machine-learning service: CLIP here, faces and OCR forwarded           /predict (and /ping)
 """
 
 from __future__ import annotations
@@ -11,11 +12,11 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from service.http.protocols import kserve_v1, oip, torchserve
+from service.http.protocols import immich, kserve_v1, oip, torchserve
 from service.http.protocols.surface import Surface, native_error_body
 
-BLUEPRINTS = (oip.bp, kserve_v1.bp, torchserve.bp)
-SURFACES: tuple[Surface, ...] = (oip.SURFACE, kserve_v1.SURFACE, torchserve.SURFACE)
+BLUEPRINTS = (oip.bp, kserve_v1.bp, torchserve.bp, immich.bp)
+SURFACES: tuple[Surface, ...] = (oip.SURFACE, kserve_v1.SURFACE, torchserve.SURFACE, immich.SURFACE)
 # the native API's routes that need no token: probes, metrics and the API description
 _NATIVE_OPEN = re.compile(r"^/(healthz|readyz|metrics|openapi\.json)$")
 

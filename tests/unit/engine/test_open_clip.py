@@ -176,3 +176,15 @@ def test_settings_take_a_tag_only_for_open_clip_models() -> None:
     assert Settings(model="open_clip:ViT-B-32", weights="laion2b_s34b_b79k").weights == "laion2b_s34b_b79k"
     with pytest.raises(SettingsError, match="pretrained tag"):
         Settings(model="resnet50", weights="laion2b_s34b_b79k")
+
+
+def test_an_immich_name_carries_its_weights_and_cleans_texts_as_immich() -> None:
+    from service.engine.open_clip_family import immich_clean, immich_split
+
+    assert immich_split("XLM-Roberta-Base-ViT-B-32__laion5b_s13b_b90k") == ("xlm-roberta-base-ViT-B-32",
+                                                                           "laion5b_s13b_b90k")
+    assert immich_split("ViT-B-32") is None
+    with pytest.raises(ModelLoadError, match="names its weights"):
+        load_model("open_clip:ViT-B-32__openai", "laion2b_s34b_b79k")
+    # no ftfy, no HTML unescaping: the quotes, the entity and the ligature stay; accents composed
+    assert immich_clean("  My dog’s\t“toy” &amp; ﬁsh cafe\u0301 ") == "my dog’s “toy” &amp; ﬁsh caf\u00e9"

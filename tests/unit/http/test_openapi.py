@@ -29,7 +29,7 @@ from service.pipeline.text_options import TASK_FIELDS
 from service.settings import Settings
 
 BASE = "http://cdn.test/"
-PROTOCOL_BLUEPRINTS = ("oip", "kserve_v1", "torchserve", "static")  # described by their own specifications
+PROTOCOL_BLUEPRINTS = ("oip", "kserve_v1", "torchserve", "immich", "static")  # described by their own specifications
 ROUTING_STATUSES = {401, 404, 405}  # answered before a request is parsed, or only where a model is named
 
 

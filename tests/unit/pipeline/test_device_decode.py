@@ -111,6 +111,7 @@ def test_the_mode_follows_the_setting_the_device_and_the_filter() -> None:
     assert not device_decode.usable("pillow", CPU, T)[0]
     assert device_decode.usable("device", CPU, T)[0]  # and its probe JPEG decoded here
     assert not device_decode.usable("device", CPU, Transform(interpolation="lanczos"))[0]
+    assert not device_decode.usable("device", CPU, Transform(exact=True))[0]  # Pillow's pixels, not nearly them
 
 
 def test_a_real_models_mixed_batch_matches_the_pillow_path_row_by_row() -> None:
