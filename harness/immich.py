@@ -11,7 +11,8 @@ immich's model exporter exports it, and immich's preprocessing and tokenisation,
                                 decode without EXIF orientation, RGB, the whole image resized so its shorter side is
                                 the model's size, the longer truncated to an integer, then cropped at the centre's
                                 integer offset; squash resizes to the square), ``image`` (float32 / 255, mean/std,
-                                onnxruntime) and ``text`` (whitespace runs to one space, the Hugging Face tokenizer)
+                                onnxruntime with immich's CPU session options) and ``text`` (whitespace runs to one
+                                space, the Hugging Face tokenizer)
     clip_tokenizer()            the Hugging Face CLIP tokenizer immich saves beside its textual model (from
                                 openai/clip-vit-base-patch32), rebuilt from the vocabulary open_clip ships, the way
                                 transformers converts CLIP's: NFC, whitespace runs, lower case; the word split; bytes;
@@ -87,11 +88,15 @@ class ImmichClip:
         self.size = int(size[0] if isinstance(size, list) else size)
         self.mean = np.array(self.cfg["mean"], dtype=np.float32)
         self.std = np.array(self.cfg["std"], dtype=np.float32)
+        # immich_ml/sessions/ort.py's defaults on a CPU: no memory arena, one inter-op and two intra-op threads
         options = ort.SessionOptions()
         options.log_severity_level = 3
-        run = ["CPUExecutionProvider"]
-        self.visual = ort.InferenceSession((directory / "visual" / "model.onnx").as_posix(), options, providers=run)
-        self.textual = ort.InferenceSession((directory / "textual" / "model.onnx").as_posix(), options, providers=run)
+        options.enable_cpu_mem_arena = False
+        options.inter_op_num_threads, options.intra_op_num_threads = 1, 2
+        run, provider = ["CPUExecutionProvider"], [{"arena_extend_strategy": "kSameAsRequested"}]
+        self.visual, self.textual = (
+            ort.InferenceSession((directory / tower / "model.onnx").as_posix(), options, providers=run,
+                                 provider_options=provider) for tower in ("visual", "textual"))
         self.tokenizer = clip_tokenizer(int(self.textual.get_inputs()[0].shape[1]))
 
     def crop(self, data: bytes) -> np.ndarray:
