@@ -143,8 +143,8 @@ def clip_tokenizer(context_length: int = 77) -> Any:
         pre_tokenizers.Split(Regex(WORDS), behavior="removed", invert=True),
         pre_tokenizers.ByteLevel(add_prefix_space=False)])
     tokenizer.decoder = decoders.ByteLevel()
-    tokenizer.post_processor = processors.RobertaProcessing(sep=(END, vocab[END]), cls=(START, vocab[START]),
-                                                            add_prefix_space=False, trim_offsets=False)
+    tokenizer.post_processor = processors.RobertaProcessing((END, vocab[END]), (START, vocab[START]),  # sep, cls
+                                                            trim_offsets=False, add_prefix_space=False)
     tokenizer.add_special_tokens([START, END])
     tokenizer.enable_padding(length=context_length, pad_id=vocab[END], pad_token=END)
     tokenizer.enable_truncation(max_length=context_length)

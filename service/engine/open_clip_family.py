@@ -65,8 +65,10 @@ def immich_split(name: str) -> tuple[str, str] | None:
 def immich_clean(text: str) -> str:
     """A text as immich's tokenizer reads it: runs of whitespace one space (immich's ``clean_text``), then the
     Hugging Face CLIP tokenizer's normalizer (NFC, lower case). open_clip's own also fixes text with ftfy (curly
-    quotes straightened, ligatures and full-width letters unfolded) and unescapes HTML (&amp;): other tokens."""
-    return unicodedata.normalize("NFC", " ".join(text.split())).lower()
+    quotes straightened, ligatures and full-width letters unfolded) and unescapes HTML (&amp;): other tokens.
+    Lower case a character at a time, as the Hugging Face normalizer does: ``str.lower`` writes a word-final
+    capital sigma as the final form (ς), Hugging Face as σ, another token."""
+    return "".join(c.lower() for c in unicodedata.normalize("NFC", " ".join(text.split())))
 
 
 class ImageTower(nn.Module):

@@ -72,7 +72,7 @@ def unit(v: np.ndarray) -> np.ndarray:
 
 
 def vector(model: LoadedModel, crop: np.ndarray) -> np.ndarray:
-    features, _ = model.forward(crop[None])
+    features, _ = model.forward(np.stack([crop]))  # a batch, as the pipeline stacks it (writable)
     assert features is not None
     return unit(features[0].numpy())
 

@@ -188,3 +188,4 @@ def test_an_immich_name_carries_its_weights_and_cleans_texts_as_immich() -> None
         load_model("open_clip:ViT-B-32__openai", "laion2b_s34b_b79k")
     # no ftfy, no HTML unescaping: the quotes, the entity and the ligature stay; accents composed
     assert immich_clean("  My dog’s\t“toy” &amp; ﬁsh cafe\u0301 ") == "my dog’s “toy” &amp; ﬁsh caf\u00e9"
+    assert immich_clean("ΟΔΟΣ") == "οδοσ"  # a character at a time, as Hugging Face: not str.lower's final ς
