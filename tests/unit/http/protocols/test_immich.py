@@ -205,7 +205,7 @@ def service() -> Iterator[tuple[str, list[tuple[str, bytes]]]]:
     seen: list[tuple[str, bytes]] = []
 
     class Handler(BaseHTTPRequestHandler):
-        def do_POST(self) -> None:  # noqa: N802 - http.server's name
+        def do_POST(self) -> None:
             body = self.rfile.read(int(self.headers["Content-Length"]))
             seen.append((self.headers["Content-Type"], body))
             if self.path.endswith("/slow"):
