@@ -90,7 +90,7 @@ class ClipText:
         self._tokenizer = tokenizer
         # how a text is cleaned and split into words before BPE: open_clip's, or immich's (``IMMICH_SEPARATOR``)
         self._clean = immich_clean if immich else tokenizer.clean_fn
-        self._words = IMMICH_WORDS if immich else getattr(tokenizer, "pat", None)
+        self._words: Any = IMMICH_WORDS if immich else getattr(tokenizer, "pat", None)  # None: not BPE (unused)
         self.context_length = int(tokenizer.context_length)
         # CLIP's text transformer is causal and pools at the end token: a token never sees the padding
         # after it, so a batch can run at its longest text's length instead of the context length (a
