@@ -81,16 +81,27 @@ class Predict:
 
     def __init__(self, url: str) -> None:
         parts = urlsplit(url)
-        self.conn = http.client.HTTPConnection(parts.hostname or "127.0.0.1", parts.port or 80, timeout=300)
+        self.host, self.port = parts.hostname or "127.0.0.1", parts.port or 80
+        self.conn = http.client.HTTPConnection(self.host, self.port, timeout=300)
 
     def post(self, body: tuple[bytes, str]) -> float:
         t0 = time.monotonic()
-        self.conn.request("POST", "/predict", body=body[0], headers={"Content-Type": body[1]})
-        resp = self.conn.getresponse()
-        answer = resp.read()
+        try:
+            resp, answer = self._exchange(body)
+        except (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError):
+            # the server closed the idle keep-alive connection first: once more on a new one, as clients do
+            self.conn.close()
+            self.conn = http.client.HTTPConnection(self.host, self.port, timeout=300)
+            t0 = time.monotonic()
+            resp, answer = self._exchange(body)
         if resp.status != 200 or not json.loads(answer)["clip"].startswith("["):
             raise RuntimeError(f"/predict answered {resp.status}: {answer[:200]!r}")
         return time.monotonic() - t0
+
+    def _exchange(self, body: tuple[bytes, str]) -> tuple[http.client.HTTPResponse, bytes]:
+        self.conn.request("POST", "/predict", body=body[0], headers={"Content-Type": body[1]})
+        resp = self.conn.getresponse()
+        return resp, resp.read()
 
 
 def closed_loop(clients: int, seconds: float, job: Callable[[int, int], float]) -> dict[str, Any]:
