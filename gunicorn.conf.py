@@ -12,6 +12,7 @@ import tempfile
 import time
 
 from gunicorn import systemd
+from gunicorn.errors import HaltServer
 
 from service import catalog, logs
 from service.balance.board import SLOTS, LoadBoard, Seat
@@ -89,7 +90,13 @@ def on_starting(server):
 
     def stopping(graceful=True):
         board.mark_reload(float("-inf"))
-        stop(graceful)
+        while True:
+            try:
+                return stop(graceful)
+            except HaltServer:
+                # two workers that failed to boot at once: gunicorn's stop reaps the second and raises again
+                # mid-way (the server then exited 1 with a traceback); each raise has removed its worker
+                continue
 
     server.stop = stopping
 
