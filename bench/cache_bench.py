@@ -33,7 +33,7 @@ import requests
 
 from bench import bare
 from bench.album import DEFAULT_DIR, ensure_album, load_album
-from bench.report import rows_table, start
+from bench.report import rows_table, start, write_json
 from harness.imagehost import ImageHost
 from harness.launch import GunicornServer, free_port
 
@@ -159,10 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     print(rows_table(_table(results)), flush=True)
     if stores:
         print(rows_table(stores), flush=True)
-    OUT.mkdir(parents=True, exist_ok=True)
-    path = OUT / "cache.json"
-    path.write_text(json.dumps({"machine": info, "servers": results, "stores": stores}, indent=1))
-    print(f"wrote {path}", flush=True)
+    write_json(OUT / "cache.json", {"machine": info, "servers": results, "stores": stores})
     return 0
 
 

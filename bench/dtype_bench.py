@@ -286,10 +286,7 @@ def run(plan: Plan, dtypes: list[str], out_dir: Path, argv: list[str] | None = N
         s.pop("url", None)
     doc["seconds"] = round(time.monotonic() - started, 1)
     print(report_text(doc), flush=True)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / f"dtype-{bare.slug(plan.model)}.json"
-    path.write_text(json.dumps(doc, indent=1))
-    print(f"wrote {path}", flush=True)
+    report.write_json(out_dir / f"dtype-{bare.slug(plan.model)}.json", doc)
     return doc
 
 

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from bench import bare
 from bench.album import Photo, render
-from bench.report import rows_table, start
+from bench.report import rows_table, start, write_json
 from harness.launch import ROOT, GunicornServer
 from harness.stats import percentile
 
@@ -179,10 +179,7 @@ def main(argv: list[str] | None = None) -> int:
                          "same worker": srv.worker_pids() == {pid}})
             print(f"   {json.dumps(rows[-1])}", flush=True)
     print(rows_table(rows), flush=True)
-    OUT.mkdir(parents=True, exist_ok=True)
-    path = OUT / "hostile.json"
-    path.write_text(json.dumps({"machine": info, "rows": rows}, indent=1))
-    print(f"wrote {path}", flush=True)
+    write_json(OUT / "hostile.json", {"machine": info, "rows": rows})
     return 0
 
 

@@ -42,7 +42,7 @@ import requests
 
 from bench import bare
 from bench.album import Photo, render
-from bench.report import rows_table, start
+from bench.report import rows_table, start, write_json
 from harness.imagehost import ImageHost
 from harness.launch import ROOT, GunicornServer
 from harness.load import Load
@@ -264,10 +264,7 @@ def main(argv: list[str] | None = None) -> int:
         for who, x in (("greenserve", g), ("immich ORT", o))]))
     print(f"greenserve's mean image forward {g['mean_forward_ms']} ms beside 8 clients: one block "
           f"~{g['one_block_ms']} ms", flush=True)
-    OUT.mkdir(parents=True, exist_ok=True)
-    path = OUT / "immich.json"
-    path.write_text(json.dumps(result, indent=1))
-    print(f"wrote {path}", flush=True)
+    write_json(OUT / "immich.json", result)
     return 0
 
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import statistics
 import time
 from pathlib import Path
@@ -27,7 +26,7 @@ import requests
 
 from bench import bare
 from bench.album import DEFAULT_DIR, ensure_album, load_album
-from bench.report import rows_table, start
+from bench.report import rows_table, start, write_json
 from harness.imagehost import ImageHost
 from harness.launch import ROOT, GunicornServer
 from harness.load import Load
@@ -122,10 +121,7 @@ def main(argv: list[str] | None = None) -> int:
                                         f"sum {m['sum']}"},
         {"question": "memory", "figure": f"two models {mem['two_models_mb']} MB; alone {mem['clip_alone_mb']} + "
                                          f"{mem['cls_alone_mb']} MB; ratio {mem['ratio']}"}]), flush=True)
-    OUT.mkdir(parents=True, exist_ok=True)
-    path = OUT / "models.json"
-    path.write_text(json.dumps(result, indent=1))
-    print(f"wrote {path}", flush=True)
+    write_json(OUT / "models.json", result)
     return 0
 
 

@@ -56,6 +56,14 @@ def start(module: str, model: str, argv: list[str] | None) -> dict[str, Any]:
     return info
 
 
+def write_json(path: Path, doc: Any) -> Path:
+    """A benchmark's last step: its whole result as JSON at ``path`` (folders made), and a line saying where."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(doc, indent=1))
+    print(f"wrote {path}", flush=True)
+    return path
+
+
 def _git(*args: str) -> str:
     from harness.launch import ROOT
 

@@ -25,7 +25,7 @@ from typing import Any
 
 from bench import bare
 from bench.album import DEFAULT_DIR, ensure_album, load_album
-from bench.report import rows_table, start
+from bench.report import rows_table, start, write_json
 from harness.imagehost import ImageHost
 from harness.launch import ROOT, GunicornServer
 from harness.load import Load
@@ -90,10 +90,7 @@ def main(argv: list[str] | None = None) -> int:
             rounds.append(row)
             print(f"   round {r + 1}: {json.dumps(row)}", flush=True)
     print(rows_table(_table(rounds, list(servers), layouts)), flush=True)
-    OUT.mkdir(parents=True, exist_ok=True)
-    path = OUT / "saturation.json"
-    path.write_text(json.dumps({"machine": info, "load_avg_end": os.getloadavg()[0], "rounds": rounds}, indent=1))
-    print(f"wrote {path}", flush=True)
+    write_json(OUT / "saturation.json", {"machine": info, "load_avg_end": os.getloadavg()[0], "rounds": rounds})
     return 0
 
 

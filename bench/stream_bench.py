@@ -38,7 +38,7 @@ from typing import Any
 
 from bench import bare
 from bench.album import DEFAULT_DIR, ensure_album, load_album
-from bench.report import rows_table, start
+from bench.report import rows_table, start, write_json
 from harness.imagehost import ImageHost
 from harness.launch import ROOT, GunicornServer
 from harness.load import Load, post_once
@@ -183,10 +183,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"   round {r + 1} {label}: {json.dumps(row[label])}", flush=True)
             rounds.append(row)
     print(rows_table(_table(rounds, labels) + _pooled(rounds, labels)), flush=True)
-    OUT.mkdir(parents=True, exist_ok=True)
-    path = OUT / "stream.json"
-    path.write_text(json.dumps({"machine": info, "rounds": rounds}, indent=1))
-    print(f"wrote {path}", flush=True)
+    write_json(OUT / "stream.json", {"machine": info, "rounds": rounds})
     return 0
 
 
