@@ -49,7 +49,7 @@ def parse_text_options(doc: Mapping[str, Any], task: str, settings: Settings) ->
     if not isinstance(template, str) or template.count("{}") != 1:
         raise RequestError(f'template must be a string with one "{{}}" where the label goes, like '
                            f'"{DEFAULT_TEMPLATE}"; got {template!r}')
-    _check_length("template", template, settings)
+    check_length("template", template, settings)
     if "template" in doc and not labels:
         raise RequestError("template only applies with labels", code="labels_required")
     query = doc.get("query")
@@ -57,7 +57,7 @@ def parse_text_options(doc: Mapping[str, Any], task: str, settings: Settings) ->
         if not isinstance(query, str) or not query.strip():
             raise RequestError('"query" must be a non-empty string: the text the images are ranked by, like '
                                '"a dog on a beach"', code="empty_text")
-        _check_length("query", query, settings)
+        check_length("query", query, settings)
     truncate = doc.get("truncate", True)
     if not isinstance(truncate, bool):
         raise RequestError(f"truncate must be true or false; got {truncate!r}")
@@ -77,12 +77,13 @@ def _texts(value: Any, field: str, limit: int, code: str, settings: Settings) ->
     for i, text in enumerate(value):
         if not isinstance(text, str) or not text.strip():
             raise RequestError(f"{field}[{i}] must be a non-empty string", code="empty_text")
-        _check_length(f"{field}[{i}]", text, settings)
+        check_length(f"{field}[{i}]", text, settings)
         out.append(text)
     return tuple(out)
 
 
-def _check_length(where: str, text: str, settings: Settings) -> None:
+def check_length(where: str, text: str, settings: Settings) -> None:
+    """413 ``text_too_long`` past GREENSERVE_MAX_TEXT_CHARS, naming where (a protocol's own text reads it too)."""
     if len(text) > settings.max_text_chars:
         raise PayloadTooLarge(f"{where} has {len(text)} characters; the limit is {settings.max_text_chars} "
                               "(the model reads at most its context length anyway). Shorten it or set "

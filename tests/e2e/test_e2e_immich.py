@@ -169,6 +169,21 @@ def test_bad_entries_are_422_and_no_input_is_400(immich_server: GunicornServer, 
     assert nothing["body"]["detail"] == "Either image or text must be provided"
 
 
+def test_a_text_past_the_limit_is_413_and_the_workers_answer_after(immich_server: GunicornServer) -> None:
+    pids = immich_server.worker_pids()
+    entries = json.dumps({"clip": {"textual": {"modelName": NAME}}})
+
+    def query(text: str) -> requests.Response:
+        return requests.post(f"{immich_server.url}/predict", files={"entries": (None, entries), "text": (None, text)},
+                             timeout=60)
+
+    too_long = query("x" * (int(CLIP_LIMITS["GREENSERVE_MAX_TEXT_CHARS"]) + 1))
+    assert too_long.status_code == 413 and too_long.json()["code"] == "text_too_long", too_long.text
+    assert "GREENSERVE_MAX_TEXT_CHARS" in too_long.json()["detail"]
+    assert query("a dog on a beach").status_code == 200
+    assert immich_server.worker_pids() == pids and immich_server.healthz_pids() == pids
+
+
 def test_a_model_not_served_is_404_naming_the_one_served(immich_server: GunicornServer, photo: Path,
                                                          tmp_path: Path) -> None:
     image, text = immich(immich_server, [

@@ -32,7 +32,7 @@ import orjson
 from flask import Blueprint, Response, current_app, g, request
 
 from service import metrics
-from service.errors import NotServed, PayloadTooLarge, RequestError, Unprocessable, UnsupportedMediaType
+from service.errors import NotServed, RequestError, Unprocessable, UnsupportedMediaType
 from service.http import current, model_names
 from service.http.body import check_form
 from service.http.dataplane import DataPlane
@@ -42,7 +42,7 @@ from service.http.upstream import Upstream
 from service.pipeline.decode import open_checked
 from service.pipeline.inputs import bytes_ref
 from service.pipeline.requests import InferenceRequest
-from service.pipeline.text_options import TextOptions
+from service.pipeline.text_options import TextOptions, check_length
 
 bp = Blueprint("immich", __name__)
 UPSTREAM = "greenserve.immich_upstream"  # the app's ``Upstream`` or None, in ``app.extensions`` (``create_app``)
@@ -153,10 +153,7 @@ def _textual(plane: DataPlane, model: str, text: str | None, entries: Entries) -
     if language is not None and not isinstance(language, str):
         raise Unprocessable(f"Invalid request format: options.language must be a locale like \"de\"; got {language!r}")
     prepared = immich_text.prepare(text, immich_text.rules_for(plane.configured()[model][0]), language)
-    limit = plane.settings.max_text_chars
-    if len(prepared) > limit:
-        raise PayloadTooLarge(f"the text has {len(prepared)} characters; the limit is {limit} (the model reads its "
-                              "context's worth anyway). Shorten it or set GREENSERVE_MAX_TEXT_CHARS", code="text_too_long")
+    check_length("the text", prepared, plane.settings)
     body = current.run(InferenceRequest((), text=TextOptions(texts=(prepared,)), model=model), "embeddings")
     return {CLIP: vector_text(body["data"][0]["embedding"])}
 

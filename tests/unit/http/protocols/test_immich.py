@@ -139,6 +139,7 @@ def test_a_text_reaches_the_model_as_a_text(client: FlaskClient) -> None:
     (form(TEXTUAL, photo()), 400, "invalid_request"),
     (form(json.dumps({"clip": {"visual": {"modelName": "ViT-L-14__openai"}}}), photo()), 404, "model_not_found"),
     (form(VISUAL, b"not an image"), 422, "not_an_image"),
+    (form(TEXTUAL, text="x" * 2001), 413, "text_too_long"),  # GREENSERVE_MAX_TEXT_CHARS, as the native texts
 ])
 def test_errors_have_immichs_statuses_and_fastapis_shape(client: FlaskClient, parts: dict[str, Any], status: int,
                                                           code: str) -> None:
