@@ -81,6 +81,9 @@ def test_refusals_raise_the_sdks_errors_with_greenserve_codes(server: GunicornSe
         with pytest.raises(openai.NotFoundError) as missing:
             client.embeddings.create(model="text-embedding-3-small", input=["img004.jpg"])
         assert missing.value.code == "model_not_found"
+        not_a_name = requests.post(server.url + "/v1/embeddings", json={"model": {}, "input": ["img004.jpg"]},
+                                   timeout=60)  # the SDK sends strings only; schemathesis found this 500
+        assert not_a_name.status_code == 400 and not_a_name.json()["error"]["code"] == "invalid_request"
         ids = {m.id for m in client.models.list()}
         assert {E2E_MODEL, f"{E2E_MODEL}-embedding"} <= ids
         assert client.models.retrieve(E2E_MODEL).id == E2E_MODEL
