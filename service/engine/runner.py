@@ -139,13 +139,13 @@ class Runner:
         engine.loaded(model)
         for tower, file in files.items():
             self.towers.add(Tower(engine.name, tower, engine.spec.residency.get(tower, Residency()),
-                                  functools.partial(self._reload, engine, tower, file),
+                                  functools.partial(self._reload, file),
                                   functools.partial(unload, file), info.load_seconds, file.nbytes()))
 
-    def _reload(self, engine: Engine, tower: str, file: TowerFile) -> None:
+    def _reload(self, file: TowerFile) -> None:
         """In the loader thread, below the hub like the model: ``towers.reload``."""
         lower_priority(self._inference_nice)
-        reload(engine.model, tower, file)
+        reload(file)
 
     def _load_in_thread(self, loader: Callable[[], Model]) -> tuple[Model, dict[str, TowerFile]] | ModelLoadError:
         lower_priority(self._inference_nice)  # before torch starts its threads: they inherit it

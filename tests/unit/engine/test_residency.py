@@ -43,12 +43,12 @@ def test_a_tower_unloads_its_memory_and_maps_the_same_tensors_back(tmp_path: Pat
     with torch.inference_mode():
         before = model(x)
     weight = model[0].weight
-    file = TowerFile(model, (), tmp_path / "tower.pt")
+    file = TowerFile(model, (), tmp_path / "tower.safetensors")
     loaded = rss()
     freed = unload_tower(file)  # as the loader thread does: the tensors dropped, the heap's free pages given back
     after_unload = rss()
     assert freed > 30_000_000 and file.nbytes() == 0
-    assert model[0].weight.numel() == 0 and (tmp_path / "tower.pt").exists()
+    assert model[0].weight.numel() == 0 and (tmp_path / "tower.safetensors").exists()
     assert loaded - after_unload > 25_000_000, f"RSS fell by {loaded - after_unload} bytes only"
     file.load()
     with torch.inference_mode():
@@ -56,6 +56,24 @@ def test_a_tower_unloads_its_memory_and_maps_the_same_tensors_back(tmp_path: Pat
     assert model[0].weight is weight, "the same Parameter objects: hooks and casts stay"
     assert file.unload() > 30_000_000  # a second unload does not write the file again
     file.load()
+
+
+def test_a_channels_last_tower_comes_back_channels_last_and_a_file_of_other_shapes_is_refused(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 16, 3), nn.Conv2d(16, 16, 1)).to(memory_format=torch.channels_last)
+    x = torch.randn(2, 3, 12, 12).to(memory_format=torch.channels_last)
+    with torch.inference_mode():
+        before = model(x)
+    strides = [p.stride() for p in model.parameters()]
+    file = TowerFile(model, (), tmp_path / "conv.safetensors")
+    unload_tower(file)
+    file.load()
+    assert [p.stride() for p in model.parameters()] == strides, "the weights' memory layout as it was"
+    with torch.inference_mode():
+        assert torch.equal(model(x), before)
+    other = TowerFile(nn.Sequential(nn.Conv2d(3, 8, 3), nn.Conv2d(8, 8, 1)), (), tmp_path / "conv.safetensors")
+    with pytest.raises(RuntimeError, match="remove the file and restart"):
+        other.load()
 
 
 def towers(events: list[str], *, kind: str = TTL, ttl_s: float = 0.0, load_gate: threading.Event | None = None,
