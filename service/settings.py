@@ -107,8 +107,8 @@ class Settings:
                                    "dict copies the weights into each worker: `greenserve export` writes them converted)",
                                    section="Model", parse="bool")
     max_batch: int = _setting(32, "images per forward pass", section="Model", parse="int", lo=1, hi=4096)
-    max_batch_wait_ms: float = _setting(2.0, "how long a non-full batch waits for more images", section="Model", unit="ms",
-                                        parse="float", lo=0, hi=1000)
+    max_batch_wait_ms: float = _setting(40.0, "how long a non-full batch waits for more images on their way (docs/SCHEDULING.md"
+                                        "#gather)", section="Model", unit="ms", parse="float", lo=0, hi=1000)
     max_text_batch: int = _setting(64, "texts per text forward pass", section="Model", parse="int", lo=1, hi=4096)
 
     image_base_url: str = _setting("", "base URL that relative image names are resolved against", section="Fetching")

@@ -168,7 +168,7 @@ def test_describe_model(client: FlaskClient) -> None:
         (desc,) = r.json
         assert desc["modelName"] == path.split("/")[2] and desc["modelVersion"] == "1"
         assert (desc["engine"], desc["runtime"], desc["modelUrl"]) == ("greenserve", "python", "random")
-        assert (desc["minWorkers"], desc["maxWorkers"], desc["batchSize"], desc["maxBatchDelay"]) == (3, 3, 32, 2.0)
+        assert (desc["minWorkers"], desc["maxWorkers"], desc["batchSize"], desc["maxBatchDelay"]) == (3, 3, 32, 40.0)
         assert desc["jobQueueStatus"] == {"remainingCapacity": 50, "pendingRequests": 0}
         (worker,) = desc["workers"]
         assert worker["status"] == "READY" and worker["pid"] == int(r.headers["X-Worker-PID"])
