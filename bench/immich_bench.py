@@ -1,8 +1,10 @@
 """immich's load shape: ``python -m bench.immich_bench [--clip open_clip:ViT-B-32] [--seconds 20] [--clients 1,2,4,8,16]``.
 
-One CLIP (seeded random weights) served under immich's name (``ViT-B-32__openai``), the embedding cache off, the
-server's default workers. Every photo is a 1440-px preview JPEG (the shorter side, as immich's preview setting
-makes them), each request a different one. Measured in this run:
+One CLIP (seeded random weights) served under immich's name the immich way (``ViT-B-32__openai=open_clip:
+ViT-B-32__openai@<weights>``, as deploy/immich serves it: immich's preprocessing), the embedding cache off,
+``--workers`` workers (2: the default for ``GREENSERVE_MODELS`` on 2 cores, a worker per core). Every photo is a
+1440-px preview JPEG (the shorter side, as immich's preview setting makes them), each request a different one.
+Measured in this run:
 
 - backfill   1, 2, 4, 8, 16 clients, each posting one preview per ``POST /predict`` (``clip``/``visual``, the multipart
              body immich's server builds), back to back: images/s, p50/p99; against the same server's album
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import http.client
+import io
 import itertools
 import json
 import os
@@ -39,10 +42,12 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import requests
+from PIL import Image
 
 from bench import bare
 from bench.album import Photo, render
 from bench.report import rows_table, start, write_json
+from harness import images
 from harness.imagehost import ImageHost
 from harness.launch import ROOT, GunicornServer
 from harness.load import Load
@@ -50,6 +55,8 @@ from harness.stats import percentile
 
 OUT = ROOT / "bench" / "out"
 PREVIEW = 1440  # immich's default preview size: the shorter side
+PREVIEW_QUALITY = 80  # immich's default preview JPEG quality
+PHONE_SIDE = 4032  # the longer side of the originals the previews are made from (a 12 MP phone photo)
 SIZES = ((4, 3), (3, 4), (16, 9), (9, 16), (1, 1), (3, 2))
 QUERIES = ("a dog on a beach", "birthday cake with candles", "snow in the mountains", "my grandmother's kitchen",
            "red car parked in the street", "sunset over the sea", "children playing football", "a cat asleep")
@@ -57,12 +64,19 @@ LIMITS = {"GREENSERVE_MAX_QUEUE_IMAGES": "512", "GREENSERVE_REQUEST_TIMEOUT_S": 
 
 
 def previews(count: int) -> dict[str, bytes]:
-    """``count`` different previews, 1440 px on the shorter side, in several aspect ratios."""
+    """``count`` different previews made as immich's server makes them: a phone-sized photo (the album's renderer)
+    resized with a Lanczos filter to 1440 px on its shorter side, saved as JPEG at quality 80 with the chroma whole
+    (4:4:4, as immich's server writes it from quality 80 on: ``harness.images.preview``); 0.45-0.75 MB. Rendered
+    at 1440 px directly, a preview kept the original's full-resolution grain and weighed 0.8-1.4 MB."""
     out = {}
     for i in range(count):
         a, b = SIZES[i % len(SIZES)]
-        w, h = (PREVIEW * a // b, PREVIEW) if a >= b else (PREVIEW, PREVIEW * b // a)
-        out[f"preview{i:03d}.jpg"] = render(Photo(f"preview{i:03d}.jpg", w, h, 1, seed=5000 + i))
+        w, h = (PHONE_SIDE, PHONE_SIDE * b // a) if a >= b else (PHONE_SIDE * a // b, PHONE_SIDE)
+        original = Image.open(io.BytesIO(render(Photo(f"original{i:03d}.jpg", w, h, 1, seed=5000 + i))))
+        scale = PREVIEW / min(w, h)
+        preview = original.resize((round(w * scale), round(h * scale)), Image.Resampling.LANCZOS)
+        # sharp keeps the chroma whole from quality 80 on
+        out[f"preview{i:03d}.jpg"] = images.encode(preview, "JPEG", quality=PREVIEW_QUALITY, subsampling=0)
     return out
 
 
@@ -160,14 +174,16 @@ def metric_sum(url: str, name: str) -> float:
 
 
 def greenserve(args: argparse.Namespace, name: str, weights: Path, photos: dict[str, bytes]) -> dict[str, Any]:
-    clip = f"{name}=open_clip:{args.clip.split(':', 1)[1]}@{weights}"
+    clip = f"{name}=open_clip:{name}@{weights}"  # the immich way, as deploy/immich serves it: immich's preprocessing
     names = list(photos)
     visual = [multipart({"clip": {"visual": {"modelName": name}}}, "image", photos[n]) for n in names]
     texts = [multipart({"clip": {"textual": {"modelName": name}}}, "text", q.encode()) for q in QUERIES]
     out: dict[str, Any] = {}
-    with ImageHost(photos) as host, GunicornServer({"GREENSERVE_IMAGE_BASE_URL": host.base_url,
-                                                    "GREENSERVE_MODELS": clip, **LIMITS},
-                                                   cache="off", ready_timeout_s=600) as srv:
+    env = {"GREENSERVE_MODELS": clip, **LIMITS, "GREENSERVE_RUNTIMES": args.runtimes}
+    with ImageHost(photos) as host, GunicornServer({**env, "GREENSERVE_IMAGE_BASE_URL": host.base_url},
+                                                   workers=args.workers, cache="off", ready_timeout_s=600) as srv:
+        out["image_tower"] = requests.get(srv.url + "/v1/models", timeout=30).json()["data"][0]["precision"][
+            "towers"]["image"]["numerics"]
         conns = [Predict(srv.url) for _ in range(max(args.clients) + 1)]
         for i, body in enumerate(visual[:8]):  # warm: the workers' shapes once
             conns[i % 2].post(body)
@@ -236,8 +252,10 @@ def immich_ort(args: argparse.Namespace, weights: Path, photos: dict[str, bytes]
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--clip", default="open_clip:ViT-B-32")
+    parser.add_argument("--runtimes", default="auto", help="GREENSERVE_RUNTIMES: auto (a CLIP stays on torch), openvino, torch")
     parser.add_argument("--tag", default="openai", help="the pretrained tag in immich's model name")
     parser.add_argument("--seconds", type=float, default=20.0, help="each load window")
+    parser.add_argument("--workers", type=int, default=2, help="GREENSERVE_WORKERS (torch threads: cores // workers)")
     parser.add_argument("--clients", default="1,2,4,8,16")
     parser.add_argument("--blocks", type=int, default=12, help="residual blocks of the image tower (ViT-B/32: 12)")
     args = parser.parse_args(argv)
@@ -254,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
              "immich ORT img/s": ob["images_per_s"], "ORT p50/p99 ms": f"{ob['p50_ms']}/{ob['p99_ms']}",
              "greenserve / ORT": round(b["images_per_s"] / ob["images_per_s"], 2)}
             for b, ob in zip(g["backfill"], o["backfill"], strict=True)]
-    print(f"album (2 clients x 30 previews): {g['album_images_per_s']} img/s")
+    print(f"album (2 clients x 30 previews): {g['album_images_per_s']} img/s; the image tower serves {g.get('image_tower')}")
     print(rows_table(rows))
     print(rows_table([
         {"search (every 2 s)": who, "idle p50/p99 ms": f"{x['search_idle']['p50_ms']}/{x['search_idle']['p99_ms']}",

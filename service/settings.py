@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
-from service.settings_parse import SettingsError, check_allow_entry, check_callers, check_http_url, parse, range_text
+from service.settings_parse import SettingsError, check_allow_entry, check_callers, check_http_url, check_int8, parse, range_text
 
 __all__ = ["SECTIONS", "TUNING", "Settings", "SettingsError", "default_workers", "env_name"]
 
@@ -23,6 +23,8 @@ ENV_PREFIX = "GREENSERVE_"
 WEIGHTS_MODES = ("auto", "imagenet", "random")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 CPU_BF16_MODES = ("auto", "yes", "no")
+RUNTIMES = ("auto", "openvino", "torch")
+LOG_LEVELS, LOG_FORMATS = ("debug", "info", "warning", "error"), ("text", "json")
 JPEG_DECODE_MODES = ("auto", "pillow", "device")
 CACHE_MODES = ("off", "memory", "disk")
 _DEVICE_RE = re.compile(r"^(cpu|auto|cuda(:\d+)?)$")
@@ -31,7 +33,7 @@ _TAG_RE = re.compile(r"^[A-Za-z0-9][\w.-]*$")  # open_clip pretrained tags: laio
 
 # torch threads a ViT (open_clip) worker gets by default, so GREENSERVE_WORKERS defaults to a worker per that many
 # cores: one wider worker answers a burst's albums in order where narrow ones answer them side by side and all
-# late (docs/SIZING.md#workers-and-threads; the runs: docs/BENCHMARKS.md#workers-for-a-vit-on-2-cores)
+# late (docs/SIZING.md#workers-and-threads; the runs: docs/history/clip-vit-b32.md)
 VIT_THREADS = 2
 
 
@@ -100,6 +102,11 @@ class Settings:
                           "why. The others pin it (weights cast once)", section="Model")
     cpu_bf16: str = _setting("auto", "auto | yes | no: whether dtype auto treats this CPU as running bfloat16 natively (auto: "
                              "the amx_bf16 or avx512_bf16 CPU flag; yes where a VM hides the flags)", section="Model")
+    runtimes: str = _setting("auto", "auto | openvino | torch: with dtype auto on a CPU, auto also tries an image tower in "
+                             "OpenVINO by the same rules, unless its model has a text tower (a converted forward has no "
+                             "preemption points for searches); openvino: every image tower", section="Model")
+    int8: str = _setting("off", "off | allow | a minimum cosine: the trial may try an OpenVINO image tower in int8 (NNCF: pip "
+                         "install greenserve[int8]), kept at cosine >= 0.999 (allow) or as given, and top-1", section="Model")
     jpeg_decode: str = _setting("auto", "auto | pillow | device: where JPEGs are decoded. device: in batches on the model's "
                                 "device in its inference thread (nvJPEG on CUDA), resized and cropped there, Pillow for other "
                                 "formats and any JPEG it cannot decode; auto = device on CUDA, pillow on CPU", section="Model")
@@ -277,13 +284,12 @@ class Settings:
         check_http_url("GREENSERVE_IMMICH_UPSTREAM", self.immich_upstream)
         for entry in self.fetch_allow:
             check_allow_entry(entry)
-        if self.dtype not in DTYPES:
-            raise SettingsError(f"GREENSERVE_DTYPE={self.dtype!r} is not one of {', '.join(DTYPES)}")
-        if self.jpeg_decode not in JPEG_DECODE_MODES:
-            raise SettingsError(f"GREENSERVE_JPEG_DECODE={self.jpeg_decode!r} is not one of "
-                                f"{', '.join(JPEG_DECODE_MODES)}")
-        if self.cpu_bf16 not in CPU_BF16_MODES:
-            raise SettingsError(f"GREENSERVE_CPU_BF16={self.cpu_bf16!r} is not one of {', '.join(CPU_BF16_MODES)}")
+        for name, value, allowed in (("dtype", self.dtype, DTYPES), ("jpeg_decode", self.jpeg_decode, JPEG_DECODE_MODES),
+                                     ("runtimes", self.runtimes, RUNTIMES), ("cpu_bf16", self.cpu_bf16, CPU_BF16_MODES),
+                                     ("log_level", self.log_level, LOG_LEVELS), ("log_format", self.log_format, LOG_FORMATS)):
+            if value not in allowed:
+                raise SettingsError(f"{env_name(name)}={value!r} is not one of {', '.join(allowed)}")
+        check_int8(self.int8)
         if self.max_idle_connections >= self.worker_connections:
             raise SettingsError(f"GREENSERVE_MAX_IDLE_CONNECTIONS={self.max_idle_connections} must be below "
                                 f"GREENSERVE_WORKER_CONNECTIONS={self.worker_connections}, or idle connections "
@@ -291,10 +297,6 @@ class Settings:
         if self.cache not in CACHE_MODES and not self.cache.startswith(("redis://", "rediss://", "unix://")):
             raise SettingsError(f"GREENSERVE_CACHE={self.cache!r} is not one of {', '.join(CACHE_MODES)} or a "
                                 "redis://host:port/db URL")
-        if self.log_level not in ("debug", "info", "warning", "error"):
-            raise SettingsError(f"GREENSERVE_LOG_LEVEL={self.log_level!r} is not debug/info/warning/error")
-        if self.log_format not in ("text", "json"):
-            raise SettingsError(f"GREENSERVE_LOG_FORMAT={self.log_format!r} is not text or json")
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
@@ -315,9 +317,7 @@ class Settings:
     def describe(self) -> dict[str, Any]:
         """Values for the start-up log line (the token is masked)."""
         out = dataclasses.asdict(self)
-        if out["api_token"]:
-            out["api_token"] = "***"
-        return out
+        return {**out, "api_token": "***"} if out["api_token"] else out
 
 
 def default_workers(model: str, cores: int) -> int:

@@ -74,3 +74,13 @@ def check_callers(sources: tuple[str, ...], known: tuple[str, ...], proxies: tup
     if "forwarded" in sources and not proxies:
         raise SettingsError("GREENSERVE_CALLER_FROM has forwarded, but GREENSERVE_TRUSTED_PROXIES is empty: name the "
                             "proxies whose X-Real-IP to believe (behind the shipped nginx: 127.0.0.1)")
+
+
+def check_int8(value: str) -> None:
+    """GREENSERVE_INT8: off, allow or a minimum cosine between 0 and 1."""
+    try:
+        ok = value in ("off", "allow") or 0 < float(value) < 1
+    except ValueError:
+        ok = False
+    if not ok:
+        raise SettingsError(f"GREENSERVE_INT8={value!r} is not off, allow or a minimum cosine between 0 and 1")

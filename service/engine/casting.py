@@ -1,6 +1,7 @@
 """How one tower runs its numbers: float32, autocast to a lower dtype, or its weights cast to it once.
 
-    Numerics      float32 | bfloat16/float16 autocast | bfloat16/float16 cast once (weights and input)
+    Numerics      float32 | bfloat16/float16 autocast | bfloat16/float16 cast once (weights and input), in
+                  torch; or float32 | bfloat16 in OpenVINO (``openvino_runtime``: the tower converted)
     TowerCast     swaps a tower's floating-point tensors between their float32 originals and one copy in
                   the lower dtype (``.data``, so TorchScript and shared mmapped tensors work alike)
 
@@ -26,35 +27,48 @@ from typing import Any
 import torch
 from torch import nn
 
+TORCH, OPENVINO = "torch", "openvino"
 KEPT_FLOAT32 = (nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNorm)  # their parameters and buffers
 
 
 @dataclass(frozen=True)
 class Numerics:
-    """How a tower runs: ``dtype`` float32, or a lower dtype by autocast (``cast=False``) or cast once."""
+    """How a tower runs: ``dtype`` float32, or a lower dtype by autocast (``cast=False``) or cast once; in torch,
+    or converted to another ``runtime`` (its inference precision ``dtype``; the torch tower stays float32)."""
 
     dtype: torch.dtype = torch.float32
     cast: bool = False
+    runtime: str = TORCH
 
     @property
     def name(self) -> str:
-        """``float32``, ``bfloat16 autocast``, ``bfloat16 cast once``: the words in ``/v1/models`` and logs."""
+        """``float32``, ``bfloat16 autocast``, ``bfloat16 cast once``, ``openvino bfloat16``: the words in
+        ``/v1/models`` and logs."""
         short = str(self.dtype).replace("torch.", "")
+        if self.runtime != TORCH:
+            return f"{self.runtime} {short}"
         if self.dtype == torch.float32:
             return short
         return f"{short} {'cast once' if self.cast else 'autocast'}"
 
+    @property
+    def converted(self) -> bool:
+        return self.runtime != TORCH
+
     def autocast(self, device: torch.device) -> Any:
         """The context a forward runs in: autocast only for the autocast mode."""
-        if self.dtype == torch.float32 or self.cast:
+        if self.dtype == torch.float32 or self.cast or self.converted:
             return torch.autocast(device.type, enabled=False)
         return torch.autocast(device.type, dtype=self.dtype)
 
 
 FLOAT32 = Numerics()
+OPENVINO_FLOAT32, OPENVINO_BFLOAT16 = Numerics(runtime=OPENVINO), Numerics(torch.bfloat16, runtime=OPENVINO)
+OPENVINO_INT8 = Numerics(torch.int8, runtime=OPENVINO)  # weights and activations, calibrated (GREENSERVE_INT8)
 # every Numerics by its name: a choice kept as words (``precision_records``) read back
 BY_NAME = {n.name: n for n in (FLOAT32, *(Numerics(dtype, cast) for dtype in (torch.bfloat16, torch.float16)
-                                          for cast in (True, False)))}
+                                          for cast in (True, False)), OPENVINO_FLOAT32, OPENVINO_BFLOAT16,
+                               OPENVINO_INT8)}
 
 
 class TowerCast:

@@ -15,15 +15,16 @@ import importlib
 import logging
 import time
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import torch
 
-from service.engine import precision, weights
+from service.engine import openvino_runtime, precision, weights
 from service.engine.casting import FLOAT32, Numerics, dtype_name
 from service.engine.model import LoadedModel
 from service.engine.precision_records import FleetStore, Memo
-from service.engine.types import DeviceDecoder, ModelLoadError
+from service.engine.types import INT8_ALLOW_COSINE, DeviceDecoder, ModelLoadError
 from service.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -114,11 +115,13 @@ def load_for_worker(settings: Settings, slot: int, decoder: DeviceDecoder, memo:
     log.info("loading %s (weights=%s) on %s with %d torch thread(s)", settings.model, settings.weights,
              device, torch.get_num_threads())
     model = load_model(settings.model, settings.weights, device=device, channels_last=settings.channels_last)
+    runtimes = _converters(settings, model)
     # before warm-up (it warms the chosen numerics), timed at the sizes the batchers form
     try:
         precision.settle(model, settings.dtype, cpu_bf16=settings.cpu_bf16,
                          image_sizes=precision.batch_sizes(settings.max_batch),
-                         text_sizes=precision.batch_sizes(settings.max_text_batch), memo=memo, fleet=fleet)
+                         text_sizes=precision.batch_sizes(settings.max_text_batch), memo=memo, fleet=fleet,
+                         runtimes=runtimes, int8_min_cosine=_int8_bound(settings) if runtimes else None)
     finally:
         if fleet is not None:
             fleet.close()  # read once at boot: its connection is not kept for the worker's life
@@ -127,3 +130,26 @@ def load_for_worker(settings: Settings, slot: int, decoder: DeviceDecoder, memo:
     model.info = replace(model.info, jpeg_decode="device" if on_device else "pillow")
     log.info("JPEG decoding: %s (%s)", model.info.jpeg_decode, why)
     return model
+
+
+def _converters(settings: Settings, model: LoadedModel) -> tuple[str, ...]:
+    """Give ``model`` a compiler for the other runtimes its image tower may try (OpenVINO, where installed, on a
+    CPU, under GREENSERVE_DTYPE=auto); their names and versions. GREENSERVE_RUNTIMES=auto leaves a model with a
+    text tower on torch: its searches run between the blocks of a torch image forward, and a converted forward
+    has none (immich's load shape: a search's p99 beside 8 backfill clients went from 1.2x idle to 3.0x)."""
+    ov_version = openvino_runtime.version()
+    if settings.runtimes == "torch" or settings.dtype != "auto" or model.device.type != "cpu" or ov_version is None:
+        return ()
+    if settings.runtimes == "auto" and model.text is not None:
+        log.info("the image tower stays on torch: its searches run between its blocks (GREENSERVE_RUNTIMES=openvino "
+                 "tries OpenVINO for it too)")
+        return ()
+    model.compiler = openvino_runtime.OpenVinoCompiler(Path(settings.cache_directory()) / "openvino",
+                                                       torch.get_num_threads())
+    int8 = _int8_bound(settings)
+    return (f"openvino {ov_version}", *((f"int8 >= {int8}",) if int8 is not None else ()))
+
+
+def _int8_bound(settings: Settings) -> float | None:
+    """The agreement an int8 tower must keep to serve (GREENSERVE_INT8), or None: int8 is not tried."""
+    return None if settings.int8 == "off" else INT8_ALLOW_COSINE if settings.int8 == "allow" else float(settings.int8)

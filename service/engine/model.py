@@ -9,20 +9,29 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, TypeVar, cast
+from typing import Any, Protocol, TypeVar, cast
 
 import numpy as np
 import torch
 from torch import nn
 
 from service.engine.casting import FLOAT32, Numerics, TowerCast
-from service.engine.types import DeviceDecoder, EncodedJpeg, ModelInfo, Tokens
+from service.engine.types import DeviceDecoder, EncodedJpeg, ModelInfo, Tokens, Transform
 from service.errors import OutOfMemory
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 WARMUP_BATCHES = (1, 4)  # shapes run once before /readyz says ready (first-call allocations, kernel picks)
+
+
+class TowerCompiler(Protocol):
+    """Converts the image tower to another runtime (``openvino_runtime.OpenVinoCompiler``)."""
+
+    runtime: str
+
+    def compile(self, module: nn.Module, root: tuple[nn.Module, tuple[str, ...]], transform: Transform,
+                numerics: Numerics) -> Callable[[torch.Tensor], Any]: ...  # takes uint8 NHWC crops
 
 
 class TextTower(Protocol):
@@ -52,6 +61,8 @@ class LoadedModel:
     # (CLIP's towers share one module; ``open_clip_family`` says which half is which)
     tower_roots: dict[str, tuple[nn.Module, tuple[str, ...]]] = field(default_factory=dict)
     numerics: dict[str, Numerics] = field(default_factory=dict)
+    compiler: TowerCompiler | None = None  # where the image tower may be converted (the trial's candidates)
+    _converted: dict[str, Callable[[torch.Tensor], Any]] = field(init=False, repr=False, default_factory=dict)
     _casts: dict[str, TowerCast] = field(init=False, repr=False, default_factory=dict)
     _mean: torch.Tensor = field(init=False, repr=False)
     _std: torch.Tensor = field(init=False, repr=False)
@@ -71,13 +82,24 @@ class LoadedModel:
         """The image tower's dtype."""
         return self.numerics_of("image").dtype
 
+    @property
+    def runs_module(self) -> bool:
+        """The image forward runs ``module``'s blocks (its preemption points), not a converted copy."""
+        return not self.numerics_of("image").converted
+
     def numerics_of(self, tower: str) -> Numerics:
         return self.numerics.get(tower, FLOAT32)
 
     def set_numerics(self, tower: str, numerics: Numerics) -> None:
         """Run ``tower`` (image | text) in ``numerics`` from the next forward on; casting once casts its
-        weights now (float32 brings back the very originals)."""
+        weights now (float32 brings back the very originals); another runtime converts the image tower from
+        float32 (once per numerics: ``release_float32`` drops those not served)."""
         self.tower_cast(tower).to(numerics.dtype if numerics.cast else torch.float32)
+        if numerics.converted and numerics.name not in self._converted:
+            if tower != "image" or self.compiler is None or self.compiler.runtime != numerics.runtime:
+                raise NotImplementedError(f"the {tower} tower cannot run in {numerics.name} here")
+            self._converted[numerics.name] = self.compiler.compile(self.module, self.tower_roots["image"],
+                                                                   self.info.transform, numerics)
         self.numerics[tower] = numerics
 
     def tower_cast(self, tower: str) -> TowerCast:
@@ -91,9 +113,12 @@ class LoadedModel:
         self._casts.clear()
 
     def release_float32(self) -> None:
-        """Drop the float32 originals of the towers cast once (after the dtype choice): one copy each."""
+        """Drop the float32 originals of the towers cast once (after the dtype choice): one copy each; and the
+        converted towers not served."""
         for casting in self._casts.values():
             casting.release()
+        served = {n.name for n in self.numerics.values()}
+        self._converted = {name: run for name, run in self._converted.items() if name in served}
 
     def forward(self, batch: np.ndarray) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Run one batch of uint8 crops (N, H, W, 3). Call from the inference thread only."""
@@ -142,6 +167,8 @@ class LoadedModel:
 
     def _run(self, x: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         numerics = self.numerics_of("image")
+        if numerics.converted:  # uint8 NHWC as uploaded: the converted tower normalises in its first op
+            return self._outputs(self._converted[numerics.name](x.permute(0, 2, 3, 1)))
         x = x.to(torch.float32).sub_(self._mean).div_(self._std)  # normalised in float32, then cast once
         if numerics.cast:
             x = x.to(numerics.dtype)
@@ -150,7 +177,9 @@ class LoadedModel:
         elif not x.is_contiguous(memory_format=torch.channels_last):
             x = x.contiguous(memory_format=torch.channels_last)  # the device decoder's stacked NCHW crops
         with numerics.autocast(self.device):
-            out = self.module(x)
+            return self._outputs(self.module(x))
+
+    def _outputs(self, out: Any) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         if isinstance(out, tuple):
             feats, logits = out
         else:

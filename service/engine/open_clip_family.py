@@ -38,7 +38,7 @@ MAX_WORD_CHARS = 64
 BPE_CACHE_WORDS = 100_000
 # immich names an open_clip model ARCH__TAG (ViT-B-32__openai, ViT-B-32__laion2b-s34b-b79k). A model served under
 # such a name is served the immich way, so that its vectors are an immich library's (docs/MODELS.md, immich): the
-# reference's pixels (``Transform.exact``), and texts read as immich's Hugging Face tokenizer reads them
+# reference's resize and crop (``Transform.exact``), and texts read as immich's Hugging Face tokenizer reads them
 # (``immich_clean``, ``IMMICH_WORDS``) instead of through open_clip's ftfy and HTML unescaping.
 IMMICH_SEPARATOR = "__"
 # the Hugging Face CLIP tokenizer's word split: open_clip's, less its special tokens (immich's text is lower case)

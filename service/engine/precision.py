@@ -9,12 +9,14 @@ faster, measured:
     any other CPU                           none         float32, no trial (bf16 would be emulated: slower)
 
 Each tower (image, and text where there is one) tries the candidate two ways, weights cast once and
-autocast (``casting.Numerics``), against float32, warm, at the batch sizes its batcher forms (1, a middle
-size, the max batch), in ascending order, on photo-like probe crops (``PROBE_TEXTS`` for a text tower). A
-trial is kept only if every output has cosine >= ``MIN_COSINE`` to float32's, every image the same top-1
-class, and its time over the sizes is ``MIN_SPEEDUP`` x float32's or better; of the kept ones cast once
-serves unless autocast is more than ``TIE_MARGIN`` x as fast (``preferred``: a tie within noise is broken the
-same way everywhere), else float32. A trial stops early once it can no longer be fast enough (``_hopeless``).
+autocast (``casting.Numerics``); on a CPU the image tower also tries OpenVINO (``openvino_runtime``:
+bfloat16 where native, and float32, which can beat torch's float32 on any CPU). Each against float32, warm,
+at the batch sizes its batcher forms (1, a middle size, the max batch), in ascending order, on photo-like
+probe crops (``PROBE_TEXTS`` for a text tower). A trial is kept only if every output has cosine >=
+``MIN_COSINE`` to float32's, every image the same top-1 class, and its time over the sizes is ``MIN_SPEEDUP``
+x float32's or better; of the kept ones the first in ``_ways``' order serves unless another is more than
+``TIE_MARGIN`` x as fast (``preferred``: a tie within noise is broken the same way everywhere), else float32.
+A trial stops early once it can no longer be fast enough (``_hopeless``).
 A pinned value (float32, bfloat16, float16) is served as given, weights cast once, untried. Runs in the
 worker's inference thread, before warm-up.
 
@@ -40,15 +42,14 @@ import numpy as np
 import torch
 
 from service.engine import precision_records as records
-from service.engine.casting import BY_NAME, FLOAT32, Numerics, dtype_name
+from service.engine.casting import BY_NAME, FLOAT32, OPENVINO_BFLOAT16, OPENVINO_FLOAT32, OPENVINO_INT8, Numerics, dtype_name
 from service.engine.model import LoadedModel
 from service.engine.precision_records import REUSED, FleetStore, Memo
-from service.engine.types import MIN_SPEEDUP, TIE_MARGIN, Precision, TowerChoice, Trial
+from service.engine.probes import PROBE_TEXTS, probe_pixels
+from service.engine.types import MIN_COSINE, MIN_SPEEDUP, TIE_MARGIN, Precision, TowerChoice, Trial
 
 log = logging.getLogger(__name__)
 
-PROBE_IMAGES = 8
-PROBE_TEXTS = ("a photo of a dog.", "a photo of a cat on a sofa.", "a city street at night.", "a bowl of fruit.")
 CPU_BF16_FLAGS = ("amx_bf16", "avx512_bf16")
 
 # (tower, numerics, batch size, run the forward) -> (its outputs, seconds); tests inject the seconds
@@ -101,25 +102,29 @@ def candidate_for(device: torch.device, cpu_bf16: str = "auto",
 
 def settle(model: LoadedModel, requested: str, *, cpu_bf16: str = "auto", flags: frozenset[str] | None = None,
            image_sizes: tuple[int, ...] = (1, 8, 32), text_sizes: tuple[int, ...] = (1, 16, 64),
-           timer: Timer = wall_clock, memo: Memo | None = None, fleet: FleetStore | None = None) -> Precision:
+           timer: Timer = wall_clock, memo: Memo | None = None, fleet: FleetStore | None = None,
+           runtimes: tuple[str, ...] = (), int8_min_cosine: float | None = None) -> Precision:
     """Set each of ``model``'s towers' numerics from ``requested`` (``GREENSERVE_DTYPE``); log and record why.
     ``image_sizes``/``text_sizes``: the batch sizes to time (``batch_sizes`` of the batchers' maxima);
     ``memo``: where an earlier worker's trial is read from, and this one's kept; ``fleet``: the fleet's record,
-    adopted where there is one, else this trial's offered to it (``precision_records``)."""
+    adopted where there is one, else this trial's offered to it (``precision_records``); ``runtimes``: the
+    other runtimes the image tower may be converted to (``model.compiler``'s, with its version), tried too;
+    ``int8_min_cosine``: int8 is tried as well, kept at that agreement (GREENSERVE_INT8)."""
     candidate, hardware = candidate_for(model.device, cpu_bf16, flags)
     by = ""
+    ways = {tower: _ways(model, tower, candidate, bool(runtimes), int8_min_cosine) for tower in model.towers}
     if requested != "auto":
         pinned = Numerics(getattr(torch, requested), cast=requested != "float32")
         choices = [_serve(model, tower, pinned, "pinned by GREENSERVE_DTYPE") for tower in model.towers]
         reason, source = "pinned by GREENSERVE_DTYPE", "pinned"
-    elif candidate is None:
+    elif not any(ways.values()):
         reason = f"{hardware}: no native bfloat16 or float16 (it would be emulated, slower than float32), so float32"
         choices = [_serve(model, tower, FLOAT32, reason) for tower in model.towers]
         source = "hardware"
     else:
         sizes = {"image": image_sizes, "text": text_sizes}
-        key = records.trial_key(model, requested, cpu_bf16, hardware, sizes)
-        choices, source, by = _trial(model, key, candidate, sizes, timer, memo, fleet)
+        key = records.trial_key(model, requested, cpu_bf16, hardware, sizes, runtimes)
+        choices, source, by = _trial(model, key, ways, sizes, timer, memo, fleet)
         reason = f"{hardware}: " + "; ".join(f"{c.tower} tower {c.reason}" for c in choices)
     model.release_float32()
     precision = Precision(requested, dtype_name(model.dtype), hardware, reason, tuple(choices), source, by)
@@ -146,8 +151,22 @@ def _summary(precision: Precision) -> str:
             "/v1/models precision")
 
 
-def _trial(model: LoadedModel, key: str, candidate: torch.dtype, sizes: dict[str, tuple[int, ...]], timer: Timer,
-           memo: Memo | None, fleet: FleetStore | None) -> tuple[list[TowerChoice], str, str]:
+def _ways(model: LoadedModel, tower: str, candidate: torch.dtype | None, convert: bool,
+          int8: float | None) -> tuple[tuple[Numerics, float], ...]:
+    """What ``tower`` tries against float32, each with the agreement it must keep, in the order that breaks ties
+    (``preferred``): the candidate cast once, then autocast; then, for a CPU's image tower, converted to OpenVINO
+    in the candidate, then float32 (which can beat torch's float32 without any rounding), then int8 where the
+    operator allows it (at the cosine ``int8`` they stated)."""
+    ways = (Numerics(candidate, cast=True), Numerics(candidate, cast=False)) if candidate is not None else ()
+    if convert and tower == "image" and model.device.type == "cpu":
+        ways += (*((OPENVINO_BFLOAT16,) if candidate == torch.bfloat16 else ()), OPENVINO_FLOAT32)
+        if int8 is not None:
+            return (*((way, MIN_COSINE) for way in ways), (OPENVINO_INT8, int8))
+    return tuple((way, MIN_COSINE) for way in ways)
+
+
+def _trial(model: LoadedModel, key: str, ways: dict[str, tuple[tuple[Numerics, float], ...]], sizes: dict[str, tuple[int, ...]],
+           timer: Timer, memo: Memo | None, fleet: FleetStore | None) -> tuple[list[TowerChoice], str, str]:
     """The towers' choices under ``key``, where this worker got them (server, fleet, measured) and who timed
     them: an earlier worker's (the memo), else the fleet's record, else timed here and offered to the fleet,
     whose first record wins (two instances that measured at once serve one choice)."""
@@ -160,7 +179,7 @@ def _trial(model: LoadedModel, key: str, candidate: torch.dtype, sizes: dict[str
         kept, answered = records.read_fleet(fleet, key)
         source = "fleet"
         if kept is None:
-            choices = [_choose(model, tower, candidate, sizes[tower], timer) for tower in model.towers]
+            choices = [_choose(model, tower, ways[tower], sizes[tower], timer) for tower in model.towers]
             ours = records.Record.of(choices, records.this_process())
             kept = records.offer(fleet, key, ours) if fleet is not None and answered else ours
             source = "measured" if kept is ours else "fleet"
@@ -184,15 +203,18 @@ def _serve(model: LoadedModel, tower: str, numerics: Numerics, reason: str, size
     return TowerChoice(tower, numerics.name, reason, sizes, tuple(trials))
 
 
-def _choose(model: LoadedModel, tower: str, candidate: torch.dtype, sizes: tuple[int, ...],
+def _choose(model: LoadedModel, tower: str, bounded: tuple[tuple[Numerics, float], ...], sizes: tuple[int, ...],
             timer: Timer) -> TowerChoice:
+    ways = tuple(way for way, _ in bounded)
+    if not ways:
+        return _serve(model, tower, FLOAT32, "float32: nothing else to try (no native lower precision, and no "
+                      "other runtime for this tower)")
     inputs = _probe_inputs(model, tower, max(sizes))
     reference = _timed_sizes(model, tower, FLOAT32, inputs, sizes, timer)
     if reference.error is not None:
         raise RuntimeError(f"the {tower} tower fails in float32: {reference.error}")
-    ways = (Numerics(candidate, cast=True), Numerics(candidate, cast=False))
-    trials = [_compare(way, _timed_sizes(model, tower, way, inputs, sizes, timer, reference), reference)
-              for way in ways]
+    trials = [_compare(way, _timed_sizes(model, tower, way, inputs, sizes, timer, reference), reference, bound)
+              for way, bound in bounded]
     best = preferred(trials, sizes)
     if best is None:
         return _serve(model, tower, FLOAT32, "float32: " + "; ".join(_refusal(t) for t in trials), sizes, trials)
@@ -202,9 +224,9 @@ def _choose(model: LoadedModel, tower: str, candidate: torch.dtype, sizes: tuple
 
 
 def preferred(trials: Sequence[Trial], sizes: tuple[int, ...]) -> int | None:
-    """Which trial serves (None: float32): of those kept, the first in their fixed order (cast once, then
-    autocast) unless another is more than ``TIE_MARGIN`` x as fast. Not simply the fastest: two instances that
-    time both ways alike within noise must choose alike, or their cache keys and vectors differ (issue 40)."""
+    """Which trial serves (None: float32): of those kept, the first in their fixed order (``_ways``) unless
+    another is more than ``TIE_MARGIN`` x as fast. Not simply the fastest: two instances that time two ways
+    alike within noise must choose alike, or their cache keys and vectors differ (issue 40)."""
     kept = [i for i, t in enumerate(trials) if t.kept(sizes)]
     if not kept:
         return None
@@ -268,10 +290,10 @@ def _forward_of(model: LoadedModel, tower: str) -> Callable[[np.ndarray], tuple[
     return model.forward
 
 
-def _compare(numerics: Numerics, run: _Run, reference: _Run) -> Trial:
+def _compare(numerics: Numerics, run: _Run, reference: _Run, bound: float = MIN_COSINE) -> Trial:
     ms32 = tuple(reference.ms[:len(run.ms)])
     if run.error is not None:
-        return Trial(numerics.name, tuple(run.sizes), tuple(run.ms), ms32, None, None, 0, run.error)
+        return Trial(numerics.name, tuple(run.sizes), tuple(run.ms), ms32, None, None, 0, run.error, bound)
     cosines, same, compared, with_logits = [], 0, 0, False
     for (low, logits_low), (f32, logits32) in zip(run.outputs, reference.outputs, strict=False):  # run may have stopped early
         a, b = (f32, low) if f32 is not None else (logits32, logits_low)
@@ -281,7 +303,7 @@ def _compare(numerics: Numerics, run: _Run, reference: _Run) -> Trial:
             with_logits = True
             same += int((logits32.argmax(dim=1) == logits_low.argmax(dim=1)).sum())
     return Trial(numerics.name, tuple(run.sizes), tuple(run.ms), ms32, min(cosines) if cosines else None,
-                 same if with_logits else None, compared)
+                 same if with_logits else None, compared, min_cosine_bound=bound)
 
 
 def _probe_inputs(model: LoadedModel, tower: str, n: int) -> np.ndarray:
@@ -296,23 +318,3 @@ def _probe_inputs(model: LoadedModel, tower: str, n: int) -> np.ndarray:
 def _min_cosine(a: torch.Tensor | None, b: torch.Tensor | None) -> float:
     assert a is not None and b is not None
     return float(torch.nn.functional.cosine_similarity(a.double(), b.double(), dim=1).min())
-
-
-def probe_pixels(size: int, n: int = PROBE_IMAGES) -> np.ndarray:
-    """``n`` deterministic photo-like uint8 crops (N, size, size, 3): smooth colour fields with blobs, edges
-    and sensor-like noise, so the probe exercises the model the way photos do (flat or white-noise inputs
-    make near-constant features that agree in any precision)."""
-    rng = np.random.default_rng(0)
-    yy, xx = np.mgrid[0:size, 0:size].astype(np.float32) / size
-    out = np.empty((n, size, size, 3), np.uint8)
-    for i in range(n):
-        base = rng.uniform(0, 255, 3) * (1 - yy[..., None]) + rng.uniform(0, 255, 3) * xx[..., None]
-        img = base.copy()
-        for _ in range(6):  # soft blobs and hard-edged discs of random colours
-            cy, cx, r = rng.uniform(0, 1), rng.uniform(0, 1), rng.uniform(0.05, 0.3)
-            d2 = ((yy - cy) ** 2 + (xx - cx) ** 2) / r**2
-            mask = np.exp(-d2)[..., None] if rng.uniform() < 0.5 else (d2 < 1)[..., None]
-            img = img * (1 - mask) + rng.uniform(0, 255, 3) * mask
-        img += rng.normal(0, 6, img.shape)
-        out[i] = np.clip(img, 0, 255).astype(np.uint8)
-    return out

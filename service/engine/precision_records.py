@@ -92,12 +92,15 @@ def decode(key: str, blob: bytes | None) -> Record | None:
 
 
 def trial_key(model: LoadedModel, requested: str, cpu_bf16: str, hardware: str,
-              sizes: dict[str, tuple[int, ...]]) -> str:
-    """Everything a trial's outcome depends on besides the clock."""
+              sizes: dict[str, tuple[int, ...]], runtimes: tuple[str, ...] = ()) -> str:
+    """Everything a trial's outcome depends on besides the clock (``runtimes``: the others tried, versioned)."""
     info = model.info
-    return json.dumps({"model": [info.family, info.name, info.weights, info.weights_digest], "device": str(model.device),
-                       "requested": requested, "cpu_bf16": cpu_bf16, "hardware": hardware, "sizes": sizes,
-                       "towers": list(model.towers), "torch": torch.__version__}, sort_keys=True)
+    key = {"model": [info.family, info.name, info.weights, info.weights_digest], "device": str(model.device),
+           "requested": requested, "cpu_bf16": cpu_bf16, "hardware": hardware, "sizes": sizes,
+           "towers": list(model.towers), "torch": torch.__version__}
+    if runtimes:  # absent otherwise: the records kept before other runtimes were tried still match
+        key["runtimes"] = list(runtimes)
+    return json.dumps(key, sort_keys=True)
 
 
 def this_process() -> str:

@@ -141,6 +141,8 @@ class Runner:
             self.towers.add(Tower(engine.name, tower, engine.spec.residency.get(tower, Residency()),
                                   functools.partial(self._reload, file),
                                   functools.partial(unload, file), info.load_seconds, file.nbytes()))
+        if engine.withdrawn:  # unloaded through the repository API while it loaded
+            self.towers.unload_model(engine.name)
 
     def _reload(self, file: TowerFile) -> None:
         """In the loader thread, below the hub like the model: ``towers.reload``."""
@@ -154,7 +156,7 @@ class Runner:
         except ModelLoadError as exc:  # returned: raised, gevent would print its traceback, burying the message
             return exc
         module = getattr(model, "module", None)  # ``LoadedModel.module``; test doubles have none
-        if self._preemption is not None and isinstance(module, nn.Module):
+        if self._preemption is not None and isinstance(module, nn.Module) and getattr(model, "runs_module", True):
             log.debug("%d preemption points in the model", self._preemption.install(module))
         files = tower_files(model, self._tower_dir)
         if files and str(getattr(model, "device", "cpu")) == "cpu":  # a GPU's copy is the device's memory

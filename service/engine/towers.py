@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import nn
 
 ORDER = "order:"  # metadata key prefix: a tensor's dims in storage order, where that is not their own order
@@ -66,10 +66,10 @@ class TowerFile:
 
     def load(self) -> None:
         """Map the tower's tensors back from its file."""
-        with safe_open(self.path, framework="pt") as header:
-            orders = header.metadata() or {}
-        saved = load_file(self.path)  # mapped, not read
-        tensors = {name: _from_storage_order(t, orders.get(ORDER + name)) for name, t in saved.items()}
+        with safe_open(self.path, framework="pt") as saved:  # mapped, not read
+            orders = saved.metadata() or {}
+            tensors = {name: _from_storage_order(saved.get_tensor(name), orders.get(ORDER + name))
+                       for name in saved.keys()}
         wrong = sorted(n for n, shape in self._shapes.items() if n not in tensors or tensors[n].shape != shape)
         if wrong:
             raise RuntimeError(f"{self.path} lacks {len(wrong)} of the tower's tensors as served ({wrong[0]}, ...); "

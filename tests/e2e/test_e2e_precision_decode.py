@@ -17,7 +17,7 @@ import requests
 from harness.imagehost import ImageHost
 from harness.launch import GunicornServer
 from harness.servers import e2e_env
-from service.engine import precision
+from service.engine import openvino_runtime, precision
 
 pytestmark = pytest.mark.e2e
 PHOTOS = [f"img{i:03d}.jpg" for i in range(8)] + ["big.jpg"]
@@ -53,12 +53,14 @@ def test_the_default_says_which_dtype_it_chose_and_why(default: GunicornServer, 
     assert card(server)["precision"]["reason"] == "pinned by GREENSERVE_DTYPE"  # the other e2e servers
     info = card(default)
     assert info["precision"]["requested"] == "auto" and info["jpeg_decode"] == "pillow"
-    if not precision.cpu_flags() & set(precision.CPU_BF16_FLAGS):  # this machine kind: avx2 only
+    image = info["precision"]["towers"]["image"]
+    if not precision.cpu_flags() & set(precision.CPU_BF16_FLAGS):  # an avx2-only CPU: float32, in torch or OpenVINO
         assert info["dtype"] == info["precision"]["chosen"] == "float32"
-        assert "no native bfloat16" in info["precision"]["reason"]
-        assert info["precision"]["towers"]["image"]["trials"] == []
+        tried = [t["numerics"] for t in image["trials"]]
+        assert tried == (["openvino float32"] if openvino_runtime.version() else [])
+        assert tried or "no native bfloat16" in info["precision"]["reason"]
     log = default.log()
-    assert f"serving in image {info['dtype']}" in log and "(GREENSERVE_DTYPE=auto): " in log
+    assert f"serving in image {image['numerics']}" in log and "(GREENSERVE_DTYPE=auto): " in log
     assert "JPEG decoding: pillow (the model is on cpu" in log
 
 
@@ -70,10 +72,12 @@ def test_with_bf16_taken_as_native_the_trial_measures_speed_and_the_card_shows_i
     p = info["precision"]
     assert p["hardware"].endswith("(GREENSERVE_CPU_BF16=yes)")
     trials = p["towers"]["image"]["trials"]
-    assert [t["numerics"] for t in trials] == ["bfloat16 cast once", "bfloat16 autocast"]
+    converted = ["openvino bfloat16", "openvino float32"] if openvino_runtime.version() else []
+    assert [t["numerics"] for t in trials] == ["bfloat16 cast once", "bfloat16 autocast", *converted]
     assert all(t["agrees"] and t["ms"] and t["ms_float32"] for t in trials), trials
     assert info["jpeg_decode"] == "device"
-    if not NATIVE_BF16:  # emulated here: it agrees, it is slower, and float32 serves, saying both timings
+    assert p["towers"]["image"]["numerics"] in [t["numerics"] for t in trials] + ["float32"]
+    if not NATIVE_BF16 and not converted:  # emulated: it agrees, it is slower, and float32 serves, saying both
         assert all(t["speedup"] < 1 for t in trials), trials
         assert info["dtype"] == p["chosen"] == "float32"
         assert "agreed but slower" in p["reason"] and "vs float32" in p["reason"]

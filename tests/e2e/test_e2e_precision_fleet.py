@@ -109,8 +109,8 @@ def test_the_second_instance_adopts_the_first_ones_numerics_without_timing(first
     assert {t: c["numerics"] for t, c in pb["towers"].items()} == {t: c["numerics"] for t, c in pa["towers"].items()}
     served = pa["towers"]["image"]["numerics"]
     assert served == by_the_rule(pa), pa["reason"]
-    if not NATIVE_BF16:  # emulated: agreed, slower, float32 recorded and adopted
-        assert served == "float32" and "agreed but slower" in pa["reason"]
+    if not NATIVE_BF16:  # emulated: torch's bfloat16 agreed but was slower; float32 (or OpenVINO's) recorded
+        assert (served == "float32" or served.startswith("openvino")) and "agreed but slower" in pa["reason"]
     print(f"the fleet serves {served} ({pa['hardware']}): "
           + ", ".join(f"{t['numerics']} {t['speedup']:.2f}x" for t in pa["towers"]["image"]["trials"]))
 

@@ -25,8 +25,8 @@ own-batch               a batch led by a request with images on their way holds 
                         rules.members · GREENSERVE_BATCH_ACROSS_REQUESTS · test_rules::test_members
 overtaken               a batch ends when another request's image is due before its next one
                         rules.overtaken · — · test_rules::test_overtaken
-gather                  on every core, a batch waits for its request's images while decode runs, or across short gaps, 2 s
-                        at most; for other requests' images on their way, GREENSERVE_MAX_BATCH_WAIT_MS (40 ms)
+gather                  a batch waits for its request's images while decode runs, or across short gaps, 2 s at most
+                        (on a share of the cores, until it holds 8); for other requests' images, GREENSERVE_MAX_BATCH_WAIT_MS
                         rules.gather_until · GREENSERVE_MAX_BATCH_WAIT_MS · test_rules::test_gather_until
 gap-clock               after an urgent forward, a gap is timed from its end
                         rules.gap_start · — · test_rules::test_gap_start

@@ -13,6 +13,7 @@ from service.engine.scheduling.view import (
     FIRST,
     GATHER_GAP_S,
     GATHER_MAX_S,
+    GATHER_SHARE_IMAGES,
     INTERACTIVE,
     RECENT_CALLER_S,
     TEXTS_PER_SLOT,
@@ -166,11 +167,14 @@ def batch_cap(view: WorkerView) -> int:
 
 def gather_until(view: WorkerView, forming: Forming, leader: RequestView | None) -> float:
     """gather: how long a batch waits for more images. Not at all with none on their way; max_wait for
-    another request's; on every core, for its own request's, while decode runs or across short gaps."""
+    another request's; for its own request's, while decode runs or across short gaps: on every core, as long as
+    they come; on a share, until it holds GATHER_SHARE_IMAGES."""
     until = forming.started + view.limits.max_wait_s
     if view.upstream <= 0:
         return view.now
-    if leader is None or leader.upstream <= 0 or not view.all_cores:
+    if leader is None or leader.upstream <= 0:
+        return until
+    if not view.all_cores and len(forming.members) >= GATHER_SHARE_IMAGES:
         return until
     bound = max(until, forming.started + GATHER_MAX_S)
     gap_from = view.now if view.decoding else gap_start(view)

@@ -15,6 +15,7 @@ FIRST: Rank = (float("-inf"), 0)  # unranked work (a big JSON body, a text) and 
 
 GATHER_GAP_S = 0.05  # with decode idle, a gathering batch goes once no image has arrived for this long
 GATHER_MAX_S = 2.0  # a gathering batch goes after this long whatever comes (a bound, not a tuning)
+GATHER_SHARE_IMAGES = 8  # on a share of the cores, a batch of this many stops gathering (docs/SCHEDULING.md#gather)
 RECENT_CALLER_S = 1.0  # a caller admitted this recently still shares the worker
 TEXTS_PER_SLOT = 8  # a CLIP text costs about an eighth of an image's forward
 

@@ -12,7 +12,7 @@ import torch
 import torchvision
 from torch import nn
 
-from service.engine import precision
+from service.engine import probes
 from service.engine.casting import FLOAT32, KEPT_FLOAT32, Numerics, TowerCast
 from service.engine.loading import load_model
 from service.engine.model import LoadedModel
@@ -51,7 +51,7 @@ def norm_dtypes_during(model: LoadedModel, run: Callable[[], object]) -> set[tor
 
 
 def test_cast_once_images_agree_with_float32(model: LoadedModel) -> None:
-    pixels = precision.probe_pixels(model.info.transform.crop_size)
+    pixels = probes.probe_pixels(model.info.transform.crop_size)
     f32, logits32 = model.forward(pixels)
     model.set_numerics("image", BF16_CAST)
     try:
@@ -66,7 +66,7 @@ def test_cast_once_images_agree_with_float32(model: LoadedModel) -> None:
 
 
 def test_cast_once_keeps_the_normalisation_layers_in_float32_during_the_forward(model: LoadedModel) -> None:
-    pixels = precision.probe_pixels(model.info.transform.crop_size, 2)
+    pixels = probes.probe_pixels(model.info.transform.crop_size, 2)
     model.set_numerics("image", BF16_CAST)
     try:
         seen = norm_dtypes_during(model, lambda: model.forward(pixels))
@@ -82,7 +82,7 @@ def test_the_text_tower_casts_alone_and_its_norms_and_logit_scale_stay_float32()
     torch.manual_seed(0)
     clip_model = load_model("open_clip:ViT-B-32", "random")
     clip = clip_model.module.clip
-    ids = clip_model.tokenize(precision.PROBE_TEXTS).ids
+    ids = clip_model.tokenize(probes.PROBE_TEXTS).ids
     f32 = clip_model.encode_text(ids)
     clip_model.set_numerics("text", BF16_CAST)
     low = clip_model.encode_text(ids)

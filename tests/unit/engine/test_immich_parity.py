@@ -28,6 +28,8 @@ pytestmark = pytest.mark.slow  # a real model exported to ONNX: not in make test
 
 NAME = f"open_clip:{CLIP_ARCH}__parity"  # immich's form of a name: served the immich way
 IMAGE_COSINE, TEXT_COSINE = 0.999, 0.9999  # issue 42's bar
+SERVED_IMAGE_COSINE = 0.9999  # the bar for a cheaper way from JPEG to tensor (issue 44)
+MAX_MEAN_GREY_DELTA = 0.3  # the served crop against immich's: 0.18 measured (the draft decode at twice the size)
 MAX_PIXELS = 40_000_000
 # immich's previews: the shorter side 1440 (sharp's fit "outside"), at phones' and cameras' aspect ratios
 PREVIEWS = ((1920, 1440), (1440, 1920), (2560, 1440), (2160, 1440), (1440, 1440), (1440, 3120))
@@ -83,10 +85,20 @@ def test_an_immich_name_is_served_with_the_references_preprocessing(served: Load
     assert served.info.name == NAME and served.info.public()["preprocessing"]["exact"] is True
 
 
-def test_the_crops_are_immichs_pixel_for_pixel(served: LoadedModel, immich: Any, previews: dict[str, bytes]) -> None:
+def test_the_resize_and_crop_are_immichs_pixel_for_pixel(served: LoadedModel, immich: Any,
+                                                         previews: dict[str, bytes]) -> None:
     for name, data in previews.items():
-        ours = decode_and_crop(data, served.info.transform, MAX_PIXELS)
+        ours = preprocess(decode_image(data, max_pixels=MAX_PIXELS), served.info.transform)  # every pixel decoded
         assert np.array_equal(ours, immich.crop(data)), name
+
+
+def test_the_served_crops_are_within_a_fraction_of_a_grey_level(served: LoadedModel, immich: Any,
+                                                                 previews: dict[str, bytes]) -> None:
+    """Decoded at libjpeg's draft scale (no less than twice the resize size), then immich's resize and crop."""
+    for name, data in previews.items():
+        delta = np.abs(decode_and_crop(data, served.info.transform, MAX_PIXELS).astype(np.int16)
+                       - immich.crop(data).astype(np.int16))
+        assert delta.mean() <= MAX_MEAN_GREY_DELTA, (name, delta.mean())
 
 
 def test_image_vectors_agree_with_immichs_onnx_model(served: LoadedModel, immich: Any,
@@ -95,7 +107,7 @@ def test_image_vectors_agree_with_immichs_onnx_model(served: LoadedModel, immich
     cosines = {name: float(vector(served, decode_and_crop(data, t, MAX_PIXELS)) @ unit(immich.image(data)))
                for name, data in previews.items()}
     print("\nimage cosines, greenserve vs immich:", {k: round(v, 7) for k, v in cosines.items()})
-    assert min(cosines.values()) >= IMAGE_COSINE, cosines
+    assert min(cosines.values()) >= max(IMAGE_COSINE, SERVED_IMAGE_COSINE), cosines
 
 
 def test_text_tokens_and_vectors_agree_with_immichs(served: LoadedModel, immich: Any) -> None:
@@ -118,6 +130,10 @@ def _draft_only(data: bytes, t: Transform) -> np.ndarray:
     return preprocess(decode_image(data, max_pixels=MAX_PIXELS, draft_size=t.resize_size), t)
 
 
+def _draft_twice(data: bytes, t: Transform) -> np.ndarray:
+    return preprocess(decode_image(data, max_pixels=MAX_PIXELS, draft_size=2 * t.resize_size), t)
+
+
 def _gap_only(data: bytes, t: Transform) -> np.ndarray:
     return preprocess(decode_image(data, max_pixels=MAX_PIXELS), replace(t, exact=False))
 
@@ -138,8 +154,9 @@ def _squash(data: bytes, t: Transform) -> np.ndarray:
 
 # each way greenserve (or a configuration) can differ from immich's pixels, alone
 VARIANTS: dict[str, Callable[[bytes, Transform], np.ndarray]] = {
-    "greenserve's fast path (all three below)": _fast,
-    "JPEG draft decode (libjpeg's 1/2-1/8 scale)": _draft_only,
+    "other models' fast path (the next three)": _fast,
+    "JPEG draft decode at the resize size": _draft_only,
+    "JPEG draft decode at twice it (served)": _draft_twice,
     "crop-box resample, reducing gap 3": _gap_only,
     "crop-box resample, no reducing gap": _box_only,
     "bilinear for bicubic": _bilinear,

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from service.balance.memo import SharedMemo
-from service.engine import precision
+from service.engine import precision, probes
 from service.engine.casting import Numerics
 from service.engine.loading import load_model
 from service.engine.model import LoadedModel
@@ -99,7 +99,7 @@ def test_auto_without_native_bf16_serves_float32_without_a_trial(resnet18: Loade
 
 def test_auto_with_native_bf16_keeps_the_cast_once_weights_when_they_agree_and_are_faster() -> None:
     model = fresh_resnet18()
-    before = model.forward(precision.probe_pixels(224, 2))[0]
+    before = model.forward(probes.probe_pixels(224, 2))[0]
     timer = FakeTimer(FAST_CAST)
     chosen = precision.settle(model, "auto", flags=ZEN4, timer=timer)
     image = chosen.tower("image")
@@ -115,7 +115,7 @@ def test_auto_with_native_bf16_keeps_the_cast_once_weights_when_they_agree_and_a
     assert len(autocast.sizes) < 3
     # and it really serves cast weights now: a Linear/Conv in bfloat16, the answer moved in the last bits
     assert model.module.backbone.conv1.weight.dtype == torch.bfloat16
-    after = model.forward(precision.probe_pixels(224, 2))[0]
+    after = model.forward(probes.probe_pixels(224, 2))[0]
     assert after is not None and before is not None and after.dtype == torch.float32 and not torch.equal(after, before)
     card = model.info.public()["precision"]
     assert card["towers"]["image"]["numerics"] == "bfloat16 cast once"
@@ -333,8 +333,8 @@ def test_each_tower_chooses_for_itself() -> None:
 
 
 def test_the_probe_images_are_deterministic_and_photo_like() -> None:
-    a, b = precision.probe_pixels(64), precision.probe_pixels(64)
-    assert a.shape == (precision.PROBE_IMAGES, 64, 64, 3) and a.dtype == np.uint8
+    a, b = probes.probe_pixels(64), probes.probe_pixels(64)
+    assert a.shape == (probes.PROBE_IMAGES, 64, 64, 3) and a.dtype == np.uint8
     assert np.array_equal(a, b)
     assert all(img.std() > 20 for img in a)  # not flat
     assert len({img.tobytes() for img in a}) == len(a)

@@ -8,6 +8,7 @@ from PIL import Image
 
 from harness import images
 from service.engine.types import Transform
+from service.pipeline.decode import decode_image
 from service.pipeline.prepare import draft_size
 from service.pipeline.preprocess import preprocess
 
@@ -46,6 +47,8 @@ def test_an_exact_transform_resizes_the_whole_image_then_crops_at_the_truncated_
     assert not np.array_equal(preprocess(img, replace(t, exact=False)), np.asarray(reference))
 
 
-def test_an_exact_transform_decodes_every_pixel_of_a_jpeg() -> None:
+def test_an_exact_transform_decodes_a_jpeg_at_no_less_than_twice_its_size() -> None:
     t = Transform(224, 224, interpolation="bicubic")
-    assert draft_size(t) == 224 and draft_size(replace(t, exact=True)) is None
+    assert draft_size(t) == 224 and draft_size(replace(t, exact=True)) == 448
+    preview = images.preview(1920, 1440)
+    assert decode_image(preview, max_pixels=10**8, draft_size=draft_size(replace(t, exact=True))).size == (960, 720)

@@ -17,6 +17,7 @@ from service.engine.scheduling.view import (
     FIRST,
     GATHER_GAP_S,
     GATHER_MAX_S,
+    GATHER_SHARE_IMAGES,
     INTERACTIVE,
     BatchPlan,
     CallerView,
@@ -189,7 +190,8 @@ STARTED = NOW - 0.01  # the batch began 10 ms ago; max_wait is 5 ms
 @pytest.mark.parametrize(("upstream", "leader_upstream", "all_cores", "decoding", "last_arrival", "until"), [
     (0, 0, True, 0, NOW, NOW),  # nothing on its way: go now
     (5, 0, True, 0, NOW, STARTED + 0.005),  # another request's images on their way: max_wait
-    (5, 5, False, 0, NOW, STARTED + 0.005),  # a share of the cores: max_wait
+    (5, 5, False, 0, NOW - 0.01, NOW - 0.01 + GATHER_GAP_S),  # a share of the cores gathers as well
+    (5, 5, False, 1, NOW - 1.0, NOW + GATHER_GAP_S),
     (5, 5, True, 0, NOW - 0.01, NOW - 0.01 + GATHER_GAP_S),  # decode idle: across the gap from the last arrival
     (5, 5, True, 1, NOW - 1.0, NOW + GATHER_GAP_S),  # decode busy: another gap from now
     (5, 5, True, 1, NOW, STARTED + GATHER_MAX_S),  # capped at GATHER_MAX_S from the start
@@ -201,6 +203,18 @@ def test_gather_until(upstream: int, leader_upstream: int, all_cores: bool, deco
     now = STARTED + GATHER_MAX_S - 0.01 if until == STARTED + GATHER_MAX_S else NOW
     v = view(leader, other, all_cores=all_cores, decoding=decoding, last_arrival=last_arrival, now=now)
     assert rules.gather_until(v, Forming(STARTED, (waiting(0.0, leader),)), leader) == pytest.approx(until)
+
+
+@pytest.mark.parametrize(("all_cores", "held", "until"), [
+    (False, GATHER_SHARE_IMAGES - 1, NOW + GATHER_GAP_S),  # a share: gathering up to GATHER_SHARE_IMAGES
+    (False, GATHER_SHARE_IMAGES, STARTED + 0.005),  # then max_wait (already past: it goes)
+    (True, GATHER_SHARE_IMAGES * 4, NOW + GATHER_GAP_S),  # every core: as long as they come
+])
+def test_gather_on_a_share_stops_at_a_batch_worth_running(all_cores: bool, held: int, until: float) -> None:
+    leader = request(1, upstream=5)
+    v = view(leader, all_cores=all_cores, decoding=1, last_arrival=NOW, now=NOW)
+    forming = Forming(STARTED, tuple(waiting(float(i), leader) for i in range(held)))
+    assert rules.gather_until(v, forming, leader) == pytest.approx(until)
 
 
 @pytest.mark.parametrize(("last_arrival", "urgent_ended", "start"), [(5.0, 3.0, 5.0), (5.0, 7.0, 7.0)])
