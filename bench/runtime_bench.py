@@ -14,7 +14,9 @@ off), on one seeded random state dict:
                   seconds to every worker ready, and the log's conversions
     2. memory     every worker's RSS and PSS (``/proc/PID/smaps_rollup``) after the album was served
     3. rounds     interleaved (the servers' order rotates): saturation (k6 open loop at 1.3x the server's own
-                  N=5 images/s, so a faster runtime is offered more) and the seed's N=5 (five albums at once)
+                  N=5 images/s, so a faster runtime is offered more) and the seed's N=5 (five albums at once);
+                  during saturation, the workers' CPU and the whole machine's busy CPU in % of all cores (the rest
+                  of the busy share is k6 and the image host: a bare pipeline pays neither)
     4. check      each server's album embeddings against the torch float32 bare pipeline's (bench.bare)
 
 Ratios in one run are the result: auto over torch per model. The machine's CPU flags say whether bfloat16 is
@@ -25,6 +27,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
+import os
 import statistics
 import sys
 import tempfile
@@ -38,6 +42,7 @@ import requests
 from bench import bare, equivalence, k6, report
 from bench.album import DEFAULT_DIR, ensure_album, load_album
 from bench.compare import DOCS_DIR, GREENSERVE_LIMITS, OUT_DIR, READY_TIMEOUT_S, fetch_embeddings
+from bench.gpu_parts import cpu_seconds
 from bench.memory import smaps
 from harness.imagehost import ImageHost
 from harness.launch import GunicornServer
@@ -67,6 +72,22 @@ def memory(srv: GunicornServer) -> dict[str, float]:
     rows = [smaps(pid) for pid in srv.worker_pids()]
     return {"rss_mb": round(statistics.mean(r["Rss"] for r in rows) / 1024),
             "pss_mb": round(statistics.mean(r["Pss"] for r in rows) / 1024)}
+
+
+def machine_cpu() -> tuple[float, float]:
+    """Busy and all CPU seconds of every core since boot (``/proc/stat``: idle and iowait are not busy)."""
+    ticks = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+    return sum(ticks) - ticks[3] - ticks[4], sum(ticks)
+
+
+def cpu_window(srv: GunicornServer, run: Any) -> tuple[Any, dict[str, float]]:
+    """``run()``, with the workers' CPU and the machine's busy CPU meanwhile, in % of all cores."""
+    (busy0, all0), workers0 = machine_cpu(), cpu_seconds(srv.worker_pids())
+    out = run()
+    (busy1, all1), workers1 = machine_cpu(), cpu_seconds(srv.worker_pids())
+    tick = os.sysconf("SC_CLK_TCK")
+    return out, {"workers_cpu_pct": round(100 * (workers1 - workers0) * tick / max(1, all1 - all0), 1),
+                 "busy_cpu_pct": round(100 * (busy1 - busy0) / max(1, all1 - all0), 1)}
 
 
 def served(url: str) -> dict[str, Any]:
@@ -117,18 +138,20 @@ def one_model(model: str, args: argparse.Namespace, cores: int, blobs: dict[str,
             for srv, s in order:
                 n5 = k6.run_closed(srv.url, names, 5)
                 rate = max(1, round(1.3 * n5.images_per_s * 60 / len(names)))
-                sat = k6.run_open(srv.url, names, rate, args.duration, max_inflight=8, graceful_stop_s=120)
+                sat, cpu = cpu_window(srv, functools.partial(k6.run_open, srv.url, names, rate, args.duration,
+                                                             max_inflight=8, graceful_stop_s=120))
                 s["n5"].append(n5.to_dict())
-                s["saturation"].append(sat.to_dict())
+                s["saturation"].append({**sat.to_dict(), **cpu})
                 print(f"   {s['runtimes']:5s} round {r + 1}: N=5 {n5.images_per_s:6.2f} img/s (mean "
                       f"{(n5.latency.mean if n5.latency else 0) / 1000:.2f}s), saturation {sat.images_per_s:6.2f} "
-                      f"img/s, errors {n5.errors + sat.errors}", flush=True)
+                      f"img/s (CPU: workers {cpu['workers_cpu_pct']}%, busy {cpu['busy_cpu_pct']}%), errors "
+                      f"{n5.errors + sat.errors}", flush=True)
         out["servers"] = {k: s for k, (_, s) in live.items()}
     return out
 
 
 def _mean(rows: list[dict[str, Any]], key: str) -> float | None:
-    values = [r[key] for r in rows]
+    values = [r[key] for r in rows if r.get(key) is not None]
     return statistics.mean(values) if values else None
 
 
@@ -145,6 +168,8 @@ def rows(doc: dict[str, Any]) -> list[dict[str, Any]]:
                 "image tower serves": s.get("image"),
                 "saturation img/s": f"{sat:.1f}" if sat else "-", "x torch": f"{sat / sat0:.2f}" if sat and sat0 else "-",
                 "x bare bf16": f"{sat / m['bare_bf16_images_per_s']:.2f}" if sat else "-",
+                "CPU % workers / busy": "/".join(f"{v:.0f}" if v else "-" for v in (
+                    _mean(s["saturation"], "workers_cpu_pct"), _mean(s["saturation"], "busy_cpu_pct"))),
                 "N=5 mean s": f"{n5:.2f}" if n5 else "-",
                 "N=5 x torch": f"{n5 / (statistics.mean(n50) / 1000):.2f}" if n5 and n50 else "-",
                 "start first / cached s": f"{s['start_first_s']} / {s['start_cached_s']}",
@@ -162,13 +187,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--duration", type=float, default=20.0, help="saturation's open loop, seconds")
     parser.add_argument("--clip-runtimes", default="openvino",
                         help="GREENSERVE_RUNTIMES of a CLIP's second server (auto would keep it on torch)")
+    parser.add_argument("--max-side", type=int, help="the album's photos at most this many pixels on their longer "
+                        "side (1440: what a library's previews or resized uploads weigh); unset: phone photos")
     parser.add_argument("--out-dir", type=Path)
     args = parser.parse_args(argv)
     if args.quick:
-        args.rounds, args.duration = 1, 6.0
+        args.rounds, args.duration, args.max_side = 1, 6.0, 512
     info = report.start("bench.runtime_bench", args.models, argv)
-    album = OUT_DIR / "album-6-512" if args.quick else DEFAULT_DIR
-    blobs = load_album(ensure_album(album, count=6 if args.quick else 30, max_side=512 if args.quick else None))
+    album = OUT_DIR / f"album-{6 if args.quick else 30}-{args.max_side}" if args.max_side else DEFAULT_DIR
+    blobs = load_album(ensure_album(album, count=6 if args.quick else 30, max_side=args.max_side))
     started = time.monotonic()
     doc: dict[str, Any] = {"machine": info, "album": report.album_facts(blobs), "models": []}
     for model in [m.strip() for m in args.models.split(",") if m.strip()]:
@@ -177,7 +204,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n# runtimes served: {info['cores']} cores ({info['cpu']}), native bf16: {', '.join(native) or 'none'}; "
           f"torch {info['torch']}; album {doc['album']['photos']} JPEGs; {time.monotonic() - started:.0f} s\n")
     print(report.rows_table(rows(doc)), flush=True)
-    report.write_json((args.out_dir or (OUT_DIR if args.quick else DOCS_DIR)) / "runtimes-served.json", doc)
+    default_dir = OUT_DIR if args.quick or args.max_side else DOCS_DIR  # docs/ holds the phone photos' run
+    report.write_json((args.out_dir or default_dir) / "runtimes-served.json", doc)
     bad = [m["model"] for m in doc["models"] for s in m["servers"].values() if s["check"]["min_cosine"] < COSINE_FAIL]
     return 1 if bad else 0
 
