@@ -1,8 +1,10 @@
-"""immich's load shape: ``python -m bench.immich_bench [--clip open_clip:ViT-B-32] [--seconds 20] [--clients 1,2,4,8,16]``.
+"""immich's load shape: ``python -m bench.immich_bench [--clip open_clip:ViT-B-32] [--seconds 20] [--search-seconds 60]
+[--clients 1,2,4,8,16] [--workers N]``.
 
 One CLIP (seeded random weights) served under immich's name the immich way (``ViT-B-32__openai=open_clip:
 ViT-B-32__openai@<weights>``, as deploy/immich serves it: immich's preprocessing), the embedding cache off,
-``--workers`` workers (2: the default for ``GREENSERVE_MODELS`` on 2 cores, a worker per core). Every photo is a
+``--workers`` workers (unset: a worker per core, as deploy/immich runs it: 2 on 2 cores served 8 one-photo clients
+1.17x what one 2-thread worker did). Every photo is a
 1440-px preview JPEG (the shorter side, as immich's preview setting makes them), each request a different one.
 Measured in this run:
 
@@ -46,6 +48,7 @@ from PIL import Image
 
 from bench import bare
 from bench.album import Photo, render
+from bench.cpu_window import cpu_window
 from bench.report import rows_table, start, write_json
 from harness import images
 from harness.imagehost import ImageHost
@@ -180,6 +183,8 @@ def greenserve(args: argparse.Namespace, name: str, weights: Path, photos: dict[
     texts = [multipart({"clip": {"textual": {"modelName": name}}}, "text", q.encode()) for q in QUERIES]
     out: dict[str, Any] = {}
     env = {"GREENSERVE_MODELS": clip, **LIMITS, "GREENSERVE_RUNTIMES": args.runtimes}
+    if args.torch_threads:
+        env["GREENSERVE_TORCH_THREADS"] = str(args.torch_threads)
     with ImageHost(photos) as host, GunicornServer({**env, "GREENSERVE_IMAGE_BASE_URL": host.base_url},
                                                    workers=args.workers, cache="off", ready_timeout_s=600) as srv:
         out["image_tower"] = requests.get(srv.url + "/v1/models", timeout=30).json()["data"][0]["precision"][
@@ -189,21 +194,22 @@ def greenserve(args: argparse.Namespace, name: str, weights: Path, photos: dict[
             conns[i % 2].post(body)
         album = {"images": names[:30], "model": name}
         with Load(srv.url, 2, album, duration_s=args.seconds, timeout_s=300) as load:
-            load.join()
+            _, out["album_cpu"] = cpu_window(srv.worker_pids, load.join)
         ok = [d for d in load.done if d.status == 200]
         out["album_images_per_s"] = round(sum(d.images for d in ok) / args.seconds, 2)
 
-        def backfill(clients: int) -> dict[str, Any]:
-            return closed_loop(clients, args.seconds,
-                               lambda c, i: conns[c].post(visual[(c * 7 + i) % len(visual)]))
+        def backfill(clients: int, seconds: float = args.seconds) -> dict[str, Any]:
+            done, cpu = cpu_window(srv.worker_pids, lambda: closed_loop(
+                clients, seconds, lambda c, i: conns[c].post(visual[(c * 7 + i) % len(visual)])))
+            return {**done, **cpu}
 
         out["backfill"] = [backfill(c) for c in args.clients]
         search = conns[-1]
-        out["search_idle"] = every_2s(args.seconds, lambda i: search.post(texts[i % len(texts)]))
+        out["search_idle"] = every_2s(args.search_seconds, lambda i: search.post(texts[i % len(texts)]))
         batches0 = metric_sum(srv.url, "greenserve_batch_seconds_count")
         seconds0 = metric_sum(srv.url, "greenserve_batch_seconds_sum")
-        during, load8 = beside(lambda: backfill(8),
-                               lambda: every_2s(args.seconds - 4, lambda i: search.post(texts[-1 - i % len(texts)])))
+        during, load8 = beside(lambda: backfill(8, args.search_seconds + 4),
+                               lambda: every_2s(args.search_seconds, lambda i: search.post(texts[-1 - i % len(texts)])))
         forward_s = (metric_sum(srv.url, "greenserve_batch_seconds_sum") - seconds0) / max(
             1.0, metric_sum(srv.url, "greenserve_batch_seconds_count") - batches0)
         out["search_beside_8"] = {**during, "backfill_images_per_s": load8["images_per_s"]}
@@ -242,8 +248,9 @@ def immich_ort(args: argparse.Namespace, weights: Path, photos: dict[str, bytes]
     for i in range(4):
         image(0, i)
     out: dict[str, Any] = {"backfill": [closed_loop(c, args.seconds, image) for c in args.clients]}
-    out["search_idle"] = every_2s(args.seconds, text)
-    during, load8 = beside(lambda: closed_loop(8, args.seconds, image), lambda: every_2s(args.seconds - 4, text))
+    out["search_idle"] = every_2s(args.search_seconds, text)
+    during, load8 = beside(lambda: closed_loop(8, args.search_seconds + 4, image),
+                           lambda: every_2s(args.search_seconds, text))
     out["search_beside_8"] = {**during, "backfill_images_per_s": load8["images_per_s"]}
     pool.shutdown()
     return out
@@ -254,25 +261,36 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--clip", default="open_clip:ViT-B-32")
     parser.add_argument("--runtimes", default="auto", help="GREENSERVE_RUNTIMES: auto (a CLIP stays on torch), openvino, torch")
     parser.add_argument("--tag", default="openai", help="the pretrained tag in immich's model name")
-    parser.add_argument("--seconds", type=float, default=20.0, help="each load window")
-    parser.add_argument("--workers", type=int, default=2, help="GREENSERVE_WORKERS (torch threads: cores // workers)")
+    parser.add_argument("--seconds", type=float, default=20.0, help="each backfill window")
+    parser.add_argument("--search-seconds", type=float, default=60.0,
+                        help="each search window (30 queries: a p99 of 10 is their worst one)")
+    parser.add_argument("--workers", type=int, help="GREENSERVE_WORKERS (torch threads: cores // workers); unset: a "
+                        "worker per core")
+    parser.add_argument("--torch-threads", type=int, help="GREENSERVE_TORCH_THREADS (unset: cores // workers)")
     parser.add_argument("--clients", default="1,2,4,8,16")
     parser.add_argument("--blocks", type=int, default=12, help="residual blocks of the image tower (ViT-B/32: 12)")
     args = parser.parse_args(argv)
     args.clients = [int(c) for c in args.clients.split(",")]
+    args.workers = args.workers or len(os.sched_getaffinity(0))
     info = start("bench.immich_bench", args.clip, argv)
     name = f"{args.clip.split(':', 1)[1]}__{args.tag}"
     photos = previews(48)
     weights = bare.save_random_weights(args.clip, OUT / "weights" / f"{bare.slug(args.clip)}-seed0.pt")
-    result: dict[str, Any] = {"machine": info, "model": name, "greenserve": greenserve(args, name, weights, photos)}
+    result: dict[str, Any] = {"machine": info, "model": name, "workers": args.workers, "torch_threads": args.torch_threads,
+                              "greenserve": greenserve(args, name, weights, photos)}
     result["immich_onnxruntime"] = immich_ort(args, weights, photos)
     g, o = result["greenserve"], result["immich_onnxruntime"]
     rows = [{"clients": b["clients"], "greenserve img/s": b["images_per_s"], "p50/p99 ms": f"{b['p50_ms']}/{b['p99_ms']}",
              "x album": round(b["images_per_s"] / g["album_images_per_s"], 2),
+             "CPU % workers / busy": f"{b.get('workers_cpu_pct', '-')} / {b.get('busy_cpu_pct', '-')}",
              "immich ORT img/s": ob["images_per_s"], "ORT p50/p99 ms": f"{ob['p50_ms']}/{ob['p99_ms']}",
              "greenserve / ORT": round(b["images_per_s"] / ob["images_per_s"], 2)}
             for b, ob in zip(g["backfill"], o["backfill"], strict=True)]
-    print(f"album (2 clients x 30 previews): {g['album_images_per_s']} img/s; the image tower serves {g.get('image_tower')}")
+    cpu = g.get("album_cpu", {})
+    threads = args.torch_threads or "cores // workers"
+    print(f"{args.workers} worker(s), torch threads {threads}; album (2 clients x 30 previews): "
+          f"{g['album_images_per_s']} img/s (CPU % workers / busy {cpu.get('workers_cpu_pct')} / "
+          f"{cpu.get('busy_cpu_pct')}); the image tower serves {g.get('image_tower')}")
     print(rows_table(rows))
     print(rows_table([
         {"search (every 2 s)": who, "idle p50/p99 ms": f"{x['search_idle']['p50_ms']}/{x['search_idle']['p99_ms']}",

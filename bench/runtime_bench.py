@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
-import os
 import statistics
 import sys
 import tempfile
@@ -42,7 +41,7 @@ import requests
 from bench import bare, equivalence, k6, report
 from bench.album import DEFAULT_DIR, ensure_album, load_album
 from bench.compare import DOCS_DIR, GREENSERVE_LIMITS, OUT_DIR, READY_TIMEOUT_S, fetch_embeddings
-from bench.gpu_parts import cpu_seconds
+from bench.cpu_window import cpu_window
 from bench.memory import smaps
 from harness.imagehost import ImageHost
 from harness.launch import GunicornServer
@@ -72,22 +71,6 @@ def memory(srv: GunicornServer) -> dict[str, float]:
     rows = [smaps(pid) for pid in srv.worker_pids()]
     return {"rss_mb": round(statistics.mean(r["Rss"] for r in rows) / 1024),
             "pss_mb": round(statistics.mean(r["Pss"] for r in rows) / 1024)}
-
-
-def machine_cpu() -> tuple[float, float]:
-    """Busy and all CPU seconds of every core since boot (``/proc/stat``: idle and iowait are not busy)."""
-    ticks = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
-    return sum(ticks) - ticks[3] - ticks[4], sum(ticks)
-
-
-def cpu_window(srv: GunicornServer, run: Any) -> tuple[Any, dict[str, float]]:
-    """``run()``, with the workers' CPU and the machine's busy CPU meanwhile, in % of all cores."""
-    (busy0, all0), workers0 = machine_cpu(), cpu_seconds(srv.worker_pids())
-    out = run()
-    (busy1, all1), workers1 = machine_cpu(), cpu_seconds(srv.worker_pids())
-    tick = os.sysconf("SC_CLK_TCK")
-    return out, {"workers_cpu_pct": round(100 * (workers1 - workers0) * tick / max(1, all1 - all0), 1),
-                 "busy_cpu_pct": round(100 * (busy1 - busy0) / max(1, all1 - all0), 1)}
 
 
 def served(url: str) -> dict[str, Any]:
@@ -138,7 +121,7 @@ def one_model(model: str, args: argparse.Namespace, cores: int, blobs: dict[str,
             for srv, s in order:
                 n5 = k6.run_closed(srv.url, names, 5)
                 rate = max(1, round(1.3 * n5.images_per_s * 60 / len(names)))
-                sat, cpu = cpu_window(srv, functools.partial(k6.run_open, srv.url, names, rate, args.duration,
+                sat, cpu = cpu_window(srv.worker_pids, functools.partial(k6.run_open, srv.url, names, rate, args.duration,
                                                              max_inflight=8, graceful_stop_s=120))
                 s["n5"].append(n5.to_dict())
                 s["saturation"].append({**sat.to_dict(), **cpu})

@@ -167,18 +167,24 @@ def batch_cap(view: WorkerView) -> int:
 
 def gather_until(view: WorkerView, forming: Forming, leader: RequestView | None) -> float:
     """gather: how long a batch waits for more images. Not at all with none on their way; max_wait for
-    another request's; for its own request's, while decode runs or across short gaps: on every core, as long as
-    they come; on a share, until it holds GATHER_SHARE_IMAGES."""
+    another caller's; for its own request's, while decode runs or across short gaps: on every core, as long as
+    they come; on a share, until it holds GATHER_SHARE_IMAGES, and its caller's other requests' count as its own."""
     until = forming.started + view.limits.max_wait_s
     if view.upstream <= 0:
         return view.now
-    if leader is None or leader.upstream <= 0:
-        return until
     if not view.all_cores and len(forming.members) >= GATHER_SHARE_IMAGES:
+        return until
+    if leader is None or not (leader.upstream > 0 or _callers_decoding(view, leader)):
         return until
     bound = max(until, forming.started + GATHER_MAX_S)
     gap_from = view.now if view.decoding else gap_start(view)
     return min(max(until, gap_from + GATHER_GAP_S), bound)
+
+
+def _callers_decoding(view: WorkerView, leader: RequestView) -> bool:
+    """On a share, a caller's concurrent one-image requests (immich's backfill) are one album split up: their
+    images decoding now are worth a batch of a size that costs less per image (docs/SCHEDULING.md#gather)."""
+    return not view.all_cores and view.callers.get(leader.caller, CallerView()).decoding > 0
 
 
 def gap_start(view: WorkerView) -> float:

@@ -217,6 +217,21 @@ def test_gather_on_a_share_stops_at_a_batch_worth_running(all_cores: bool, held:
     assert rules.gather_until(v, forming, leader) == pytest.approx(until)
 
 
+@pytest.mark.parametrize(("caller", "all_cores", "until"), [
+    ("backfill", False, NOW + GATHER_GAP_S),  # its caller's other one-photo requests decoding: gathered, a share
+    ("other", False, STARTED + 0.005),  # another caller's: max_wait (a light caller never waits on an album)
+    ("backfill", True, STARTED + 0.005),  # every core: max_wait (a batch of any size runs well there)
+])
+def test_a_callers_concurrent_one_photo_requests_gather_like_one_album(caller: str, all_cores: bool,
+                                                                       until: float) -> None:
+    leader = request(1, "backfill", submitted=1)
+    coming = request(2, caller, upstream=1)
+    v = view(leader, coming, all_cores=all_cores, decoding=1, last_arrival=NOW - 1.0,
+             callers={"backfill": CallerView(2, decoding=1 if caller == "backfill" else 0, queued=1),
+                      "other": CallerView(1, decoding=1 if caller == "other" else 0)})
+    assert rules.gather_until(v, Forming(STARTED, (waiting(0.0, leader),)), leader) == pytest.approx(until)
+
+
 @pytest.mark.parametrize(("last_arrival", "urgent_ended", "start"), [(5.0, 3.0, 5.0), (5.0, 7.0, 7.0)])
 def test_gap_start(last_arrival: float, urgent_ended: float, start: float) -> None:
     assert rules.gap_start(view(last_arrival=last_arrival, urgent_ended=urgent_ended)) == start
