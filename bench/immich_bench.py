@@ -4,8 +4,8 @@
 One CLIP (seeded random weights) served under immich's name the immich way (``ViT-B-32__openai=open_clip:
 ViT-B-32__openai@<weights>``, as deploy/immich serves it: immich's preprocessing), the embedding cache off,
 ``--workers`` workers (unset: a worker per core, as deploy/immich runs it: 2 on 2 cores served 8 one-photo clients
-1.17x what one 2-thread worker did). Every photo is a
-1440-px preview JPEG (the shorter side, as immich's preview setting makes them), each request a different one.
+1.17x what one 2-thread worker did). Every photo is a 1440-px preview JPEG (the shorter side, as immich's preview
+setting makes them), each request a different one. Each load window also reads the workers' CPU and the machine's.
 Measured in this run:
 
 - backfill   1, 2, 4, 8, 16 clients, each posting one preview per ``POST /predict`` (``clip``/``visual``, the multipart
