@@ -158,8 +158,14 @@ def _thread_nices(pid: int) -> dict[int, int]:
 
 
 def test_inference_then_decode_threads_run_below_the_hub(two_workers: GunicornServer) -> None:
-    assert embed(two_workers, 4).status_code == 200
-    pid = int(embed(two_workers, 4).headers["X-Worker-PID"])
+    # photos no worker has seen: with IMAGE, a worker that had decoded nothing yet could answer from the embedding
+    # cache its sibling filled, and start no decode thread
+    seeds = time.time_ns() % 1_000_000
+    fresh = ["data:image/jpeg;base64," + base64.b64encode(images.jpeg(256, 256, seed=seeds + i)).decode()
+             for i in range(4)]
+    answer = requests.post(two_workers.url + "/v1/embeddings", json={"images": fresh}, timeout=120)
+    assert answer.status_code == 200, answer.text
+    pid = int(answer.headers["X-Worker-PID"])
     nices = _thread_nices(pid)
     assert nices[pid] == 0, "the hub (the worker's main thread) must keep its priority"
     assert 10 in nices.values(), f"decode threads should run at nice 10: {nices}"
