@@ -271,8 +271,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--blocks", type=int, default=12, help="residual blocks of the image tower (ViT-B/32: 12)")
     args = parser.parse_args(argv)
     args.clients = [int(c) for c in args.clients.split(",")]
-    args.workers = args.workers or len(os.sched_getaffinity(0))
     info = start("bench.immich_bench", args.clip, argv)
+    args.workers = args.workers or info["cores"]
     name = f"{args.clip.split(':', 1)[1]}__{args.tag}"
     photos = previews(48)
     weights = bare.save_random_weights(args.clip, OUT / "weights" / f"{bare.slug(args.clip)}-seed0.pt")

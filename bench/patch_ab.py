@@ -3,12 +3,13 @@
 
 The patch is applied to the working tree (``git apply``) for its turns and reverted after each (also on failure),
 so "base" is the tree as it is and "patch" the tree with the change. Rounds alternate which goes first. Per round,
-variant and model a fresh server as ``bench.runtime_bench`` starts one (2 workers, ``GREENSERVE_DTYPE=auto``,
+variant and model a fresh server as ``bench.runtime_bench`` starts one (a worker per core, ``GREENSERVE_DTYPE=auto``,
 ``GREENSERVE_RUNTIMES`` as given, with ``GREENSERVE_INT8=allow`` for ``auto+int8``, the cache off) on the seeded
 random weights, serving the 30-photo album from the local image host:
 
     N=5          five albums at once (the seed's shape): images/s and mean seconds
-    saturation   k6 open loop at 1.3x that server's N=5 rate for ``--duration`` seconds
+    saturation   k6 open loop at 1.3x that server's N=5 rate for ``--duration`` seconds, with the workers' and
+                 the machine's CPU (``runtime_bench.n5_then_saturation``)
     N=1          one album alone: seconds
 
 Prints the command, the machine, every round and the means; writes bench/out/patch-ab.json. Make the patch
@@ -32,28 +33,25 @@ from bench.report import rows_table, start, write_json
 from harness.imagehost import ImageHost
 from harness.launch import ROOT
 
-WORKERS = 2  # runtime_bench's servers on this host kind: a worker per core
-
 
 def apply(patch: Path, on: bool) -> None:
     subprocess.run(["git", "apply", *([] if on else ["-R"]), str(patch)], cwd=ROOT, check=True)
 
 
-def measure(model: str, runtimes: str, base_url: str, names: list[str], duration: float) -> dict[str, float]:
-    """One fresh server's figures; ``runtimes`` is GREENSERVE_RUNTIMES, ``+int8`` after it GREENSERVE_INT8=allow."""
+def measure(model: str, runtimes: str, base_url: str, names: list[str], duration: float, cores: int) -> dict[str, float]:
+    """One fresh server's figures, a worker per core; ``runtimes`` is GREENSERVE_RUNTIMES, ``+int8`` after it
+    GREENSERVE_INT8=allow."""
     runtimes, _, int8 = runtimes.partition("+")
     weights = bare.save_random_weights(model, OUT_DIR / "weights" / f"{bare.slug(model)}-seed0.pt")
     variant = {"GREENSERVE_RUNTIMES": runtimes, **({"GREENSERVE_INT8": "allow"} if int8 else {})}
     with tempfile.TemporaryDirectory(prefix="greenserve-ab-") as cache, \
-            runtime_bench.server(model, variant, weights, base_url, WORKERS, cache) as srv:
+            runtime_bench.server(model, variant, weights, base_url, cores, cache) as srv:
         k6.run_closed(srv.url, names, 2)  # warm: first forwards at these sizes
-        n5 = k6.run_closed(srv.url, names, 5)
-        rate = max(1, round(1.3 * n5.images_per_s * 60 / len(names)))
-        sat = k6.run_open(srv.url, names, rate, duration, max_inflight=8, graceful_stop_s=120)
+        n5, sat, cpu = runtime_bench.n5_then_saturation(srv, names, duration)
         n1 = k6.run_closed(srv.url, names, 1)
     return {"n5_img_s": n5.images_per_s, "n5_mean_s": (n5.latency.mean if n5.latency else 0) / 1000,
             "saturation_img_s": sat.images_per_s, "n1_s": (n1.latency.mean if n1.latency else 0) / 1000,
-            "errors": n5.errors + sat.errors + n1.errors}
+            "errors": n5.errors + sat.errors + n1.errors, **cpu}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -77,7 +75,7 @@ def main(argv: list[str] | None = None) -> None:
                     apply(patch, True)
                 try:
                     for model, runtimes in models:
-                        row = measure(model, runtimes, host.base_url, list(blobs), args.duration)
+                        row = measure(model, runtimes, host.base_url, list(blobs), args.duration, info["cores"])
                         runs.setdefault(f"{model} {runtimes} {variant}", []).append(row)
                         print(f"round {r + 1} {variant:5s} {model} RUNTIMES={runtimes}: "
                               + ", ".join(f"{k} {v:.2f}" for k, v in row.items()), flush=True)

@@ -119,10 +119,7 @@ def one_model(model: str, args: argparse.Namespace, cores: int, blobs: dict[str,
         for r in range(args.rounds):
             order = list(live.values())[r % len(live):] + list(live.values())[:r % len(live)]
             for srv, s in order:
-                n5 = k6.run_closed(srv.url, names, 5)
-                rate = max(1, round(1.3 * n5.images_per_s * 60 / len(names)))
-                sat, cpu = cpu_window(srv.worker_pids, functools.partial(k6.run_open, srv.url, names, rate, args.duration,
-                                                             max_inflight=8, graceful_stop_s=120))
+                n5, sat, cpu = n5_then_saturation(srv, names, args.duration)
                 s["n5"].append(n5.to_dict())
                 s["saturation"].append({**sat.to_dict(), **cpu})
                 print(f"   {s['runtimes']:5s} round {r + 1}: N=5 {n5.images_per_s:6.2f} img/s (mean "
@@ -131,6 +128,16 @@ def one_model(model: str, args: argparse.Namespace, cores: int, blobs: dict[str,
                       f"{n5.errors + sat.errors}", flush=True)
         out["servers"] = {k: s for k, (_, s) in live.items()}
     return out
+
+
+def n5_then_saturation(srv: GunicornServer, names: list[str], duration: float) -> tuple[Any, Any, dict[str, float]]:
+    """The seed's N=5 (five albums at once), then saturation: k6's open loop at 1.3x that N=5 rate (a faster server
+    is offered more) for ``duration`` seconds, with the workers' and the machine's CPU meanwhile."""
+    n5 = k6.run_closed(srv.url, names, 5)
+    rate = max(1, round(1.3 * n5.images_per_s * 60 / len(names)))
+    sat, cpu = cpu_window(srv.worker_pids, functools.partial(k6.run_open, srv.url, names, rate, duration,
+                                                             max_inflight=8, graceful_stop_s=120))
+    return n5, sat, cpu
 
 
 def _mean(rows: list[dict[str, Any]], key: str) -> float | None:

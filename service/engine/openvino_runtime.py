@@ -12,7 +12,8 @@
 
 Its threads are fixed when compiled (the worker's share of the cores: ``GREENSERVE_BORROW_IDLE_CORES`` does not
 apply), and its CPU pinning is off: pinned, two pre-forked workers ran at one core's speed. A converted
-forward has no preemption points. Figures: docs/BENCHMARKS.md#runtimes-for-a-tower-alone.
+forward has no preemption points. Figures: docs/BENCHMARKS.md#runtimes-served; each tower alone:
+docs/history/runtimes.md.
 """
 
 from __future__ import annotations
