@@ -46,8 +46,9 @@ class Engine:
         self.load_error: BaseException | None = None
         self.withdrawn = False  # unloaded through the repository API: its requests are refused
         self._ready = Event()
+        self.image_costs: dict[int, float] = {}  # its image forward's ms per image by batch size (the gather's stop)
         if model is not None:
-            self._ready.set()
+            self.loaded(model)
 
     @property
     def name(self) -> str:
@@ -64,6 +65,8 @@ class Engine:
 
     def loaded(self, model: Model) -> None:
         self.model = model
+        choice = model.info.precision.tower("image") if model.info.precision is not None else None
+        self.image_costs = choice.per_image_ms() if choice is not None else {}
         self._ready.set()
 
     def failed(self, error: BaseException) -> None:

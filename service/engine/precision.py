@@ -193,14 +193,16 @@ def _trial(model: LoadedModel, key: str, ways: dict[str, tuple[tuple[Numerics, f
 
 def _apply(model: LoadedModel, record: records.Record, prefix: str) -> list[TowerChoice]:
     """``record``'s choices served by ``model``, each reason after ``prefix`` (where it was read)."""
-    return [_serve(model, tower, BY_NAME[numerics], prefix + reason, sizes)
-            for tower, numerics, reason, sizes in record.towers]
+    return [_serve(model, tower, BY_NAME[numerics], prefix + reason, sizes, ms=ms)
+            for tower, numerics, reason, sizes, ms in record.towers]
 
 
 def _serve(model: LoadedModel, tower: str, numerics: Numerics, reason: str, sizes: tuple[int, ...] = (),
-           trials: Sequence[Trial] = ()) -> TowerChoice:
+           trials: Sequence[Trial] = (), ms: tuple[float, ...] = ()) -> TowerChoice:
+    """``tower`` serves in ``numerics``; ``ms``: its times at ``sizes``, else its trial's."""
     model.set_numerics(tower, numerics)
-    return TowerChoice(tower, numerics.name, reason, sizes, tuple(trials))
+    timed = next((t.ms for t in trials if t.numerics == numerics.name and t.sizes == sizes), ())
+    return TowerChoice(tower, numerics.name, reason, sizes, tuple(trials), ms or timed)
 
 
 def _choose(model: LoadedModel, tower: str, bounded: tuple[tuple[Numerics, float], ...], sizes: tuple[int, ...],
@@ -217,7 +219,8 @@ def _choose(model: LoadedModel, tower: str, bounded: tuple[tuple[Numerics, float
               for way, bound in bounded]
     best = preferred(trials, sizes)
     if best is None:
-        return _serve(model, tower, FLOAT32, "float32: " + "; ".join(_refusal(t) for t in trials), sizes, trials)
+        return _serve(model, tower, FLOAT32, "float32: " + "; ".join(_refusal(t) for t in trials), sizes, trials,
+                      tuple(reference.ms))
     reason = "; ".join([f"{ways[best].name}: {trials[best].text()}"] +
                        [_refusal(t, trials[best]) for i, t in enumerate(trials) if i != best])
     return _serve(model, tower, ways[best], reason, sizes, trials)

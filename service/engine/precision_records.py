@@ -64,12 +64,12 @@ class FleetStore(Protocol):
 class Record:
     """A choice as kept: each tower's numerics (by name), its reason and sizes, and who timed it."""
 
-    towers: tuple[tuple[str, str, str, tuple[int, ...]], ...]
+    towers: tuple[tuple[str, str, str, tuple[int, ...], tuple[float, ...]], ...]  # ms: what it serves in, timed
     by: str  # "<host> pid <pid>" of the worker that timed it
 
     @classmethod
     def of(cls, choices: Sequence[TowerChoice], by: str) -> Record:
-        return cls(tuple((c.tower, c.numerics, c.reason, tuple(c.sizes)) for c in choices), by)
+        return cls(tuple((c.tower, c.numerics, c.reason, tuple(c.sizes), tuple(c.ms)) for c in choices), by)
 
     def encode(self, key: str) -> bytes:
         return json.dumps({"key": key, "by": self.by, "towers": [list(t) for t in self.towers]}).encode()
@@ -83,8 +83,9 @@ def decode(key: str, blob: bytes | None) -> Record | None:
         value = json.loads(blob)
         if not isinstance(value, dict) or value.get("key") != key:
             return None
-        towers = tuple((str(t), str(n), str(r), tuple(int(s) for s in sizes)) for t, n, r, sizes in value["towers"])
-        if not all(numerics in BY_NAME for _, numerics, _, _ in towers):
+        towers = tuple((str(t), str(n), str(r), tuple(int(s) for s in sizes), tuple(float(m) for m in ms))
+                       for t, n, r, sizes, *ms_kept in value["towers"] for ms in [ms_kept[0] if ms_kept else ()])
+        if not all(numerics in BY_NAME for _, numerics, _, _, _ in towers):
             return None
         return Record(towers, str(value["by"]))
     except (ValueError, KeyError, TypeError):

@@ -78,10 +78,10 @@ class Runner:
         self.cores = CorePlan(settings, cores or len(os.sched_getaffinity(0)), siblings)
         self._preemption = Preemption() if settings.preempt_forwards else None
         stats = BatchStats(on_batch=metrics.observe_batch, on_interjected=metrics.INTERJECTED.inc)
-        preemption = self._preemption
         self.scheduling = Scheduler(limits(settings, self._decode_pool.maxsize), Signals(
             all_cores=self.cores.all_cores, seconds_per_image=lambda: stats.seconds_per_image,
-            preemptible=lambda: preemption is not None and preemption.points > 0))
+            preemptible=lambda: self._preemption is not None and self._preemption.points > 0,
+            image_costs=lambda: {name: e.image_costs for name, e in self.engines.items() if e.image_costs}))
         self.batcher = Batcher(self._forward, self._infer_pool, self.scheduling.images,
                                self.scheduling.image_rules(), preemption=self._preemption, stats=stats)
         # texts get their own batcher on the same one-thread pool: their forwards take turns with the

@@ -196,10 +196,15 @@ class TowerChoice:
     reason: str
     sizes: tuple[int, ...] = ()
     trials: tuple[Trial, ...] = ()
+    ms: tuple[float, ...] = ()  # what it serves in, timed at ``sizes`` in its trial; empty when untimed
+
+    def per_image_ms(self) -> dict[int, float]:
+        """The forward's cost per image at each batch size the trial timed (the gather's stop reads it)."""
+        return {size: ms / size for size, ms in zip(self.sizes, self.ms, strict=False) if size > 0 and ms > 0}
 
     def public(self) -> dict[str, Any]:
         return {"numerics": self.numerics, "reason": self.reason, "sizes": list(self.sizes),
-                "trials": [t.public() for t in self.trials]}
+                "ms": [round(m, 1) for m in self.ms], "trials": [t.public() for t in self.trials]}
 
 
 @dataclass(frozen=True)

@@ -26,8 +26,9 @@ own-batch               a batch led by a request with images on their way holds 
 overtaken               a batch ends when another request's image is due before its next one
                         rules.overtaken · — · test_rules::test_overtaken
 gather                  a batch waits for its request's images while decode runs, or across short gaps, 2 s at most
-                        (on a share of the cores, until it holds 8, its caller's other requests' decoding counting as
-                        its own); for other callers' images, GREENSERVE_MAX_BATCH_WAIT_MS
+                        (on a share of the cores, until it holds the size past which the model's trial timed no
+                        cheaper image, else 8; its caller's other requests' decoding counting as its own); for other
+                        callers' images, GREENSERVE_MAX_BATCH_WAIT_MS
                         rules.gather_until · GREENSERVE_MAX_BATCH_WAIT_MS · test_rules::test_gather_until
 gap-clock               after an urgent forward, a gap is timed from its end
                         rules.gap_start · — · test_rules::test_gap_start

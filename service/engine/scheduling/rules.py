@@ -14,6 +14,7 @@ from service.engine.scheduling.view import (
     GATHER_GAP_S,
     GATHER_MAX_S,
     GATHER_SHARE_IMAGES,
+    GATHER_STOP_MARGIN,
     INTERACTIVE,
     RECENT_CALLER_S,
     TEXTS_PER_SLOT,
@@ -168,17 +169,29 @@ def batch_cap(view: WorkerView) -> int:
 def gather_until(view: WorkerView, forming: Forming, leader: RequestView | None) -> float:
     """gather: how long a batch waits for more images. Not at all with none on their way; max_wait for
     another caller's; for its own request's, while decode runs or across short gaps: on every core, as long as
-    they come; on a share, until it holds GATHER_SHARE_IMAGES, and its caller's other requests' count as its own."""
+    they come; on a share, until it holds ``share_stop``'s images, and its caller's other requests' count as its own."""
     until = forming.started + view.limits.max_wait_s
     if view.upstream <= 0:
         return view.now
-    if not view.all_cores and len(forming.members) >= GATHER_SHARE_IMAGES:
+    model = forming.members[0].model if forming.members else leader.model if leader is not None else ""
+    if not view.all_cores and len(forming.members) >= share_stop(view, model):
         return until
     if leader is None or not (leader.upstream > 0 or _callers_decoding(view, leader)):
         return until
     bound = max(until, forming.started + GATHER_MAX_S)
     gap_from = view.now if view.decoding else gap_start(view)
     return min(max(until, gap_from + GATHER_GAP_S), bound)
+
+
+def share_stop(view: WorkerView, model: str) -> int:
+    """gather on a share: where ``model``'s forward stops getting cheaper per image, as its precision trial timed
+    it (the smallest batch within GATHER_STOP_MARGIN of the cheapest; ViT-B/32 32, resnet50 8 on AMX);
+    GATHER_SHARE_IMAGES for a model not timed (a pinned GREENSERVE_DTYPE, float32 with nothing to try)."""
+    costs = view.image_costs.get(model)
+    if not costs:
+        return GATHER_SHARE_IMAGES
+    cheapest = min(costs.values())
+    return min(size for size, ms in costs.items() if ms <= cheapest * (1 + GATHER_STOP_MARGIN))
 
 
 def _callers_decoding(view: WorkerView, leader: RequestView) -> bool:

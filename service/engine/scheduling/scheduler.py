@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 from gevent.event import Event
@@ -28,12 +28,14 @@ NOT_READY_RETRY_S = 5
 @dataclass(frozen=True)
 class Signals:
     """What the worker's other parts tell the rules: whether the next forward has every core
-    (``cores.CorePlan``), the measured time per image (``forwarding.BatchStats``), and whether a running
-    forward can be interrupted (``preemption.Preemption``)."""
+    (``cores.CorePlan``), the measured time per image (``forwarding.BatchStats``), whether a running
+    forward can be interrupted (``preemption.Preemption``), and each model's image forward's cost per image by
+    batch size (its precision trial's, ``TowerChoice.per_image_ms``)."""
 
     all_cores: Callable[[], bool] = lambda: True
     seconds_per_image: Callable[[], float] = lambda: 0.05
     preemptible: Callable[[], bool] = lambda: False
+    image_costs: Callable[[], Mapping[str, Mapping[int, float]]] = dict
 
 
 @dataclass(frozen=True)
@@ -76,7 +78,7 @@ class Scheduler:
             decode_free=self._decode.free(), spare_busy=self._spare_busy, all_cores=self._signals.all_cores(),
             urgent=self.urgency.active, last_arrival=self.images.last_arrival, urgent_ended=self.urgency.ended,
             seconds_per_image=self._signals.seconds_per_image(), preemptible=self._signals.preemptible(),
-            texts_coming=self.texts_coming)
+            texts_coming=self.texts_coming, image_costs=self._signals.image_costs())
 
     # ------------------------------------------------------------------ admit
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 Rank = tuple[float, int]  # (an image's fair tag, its index in the request): lower goes first
@@ -15,7 +15,8 @@ FIRST: Rank = (float("-inf"), 0)  # unranked work (a big JSON body, a text) and 
 
 GATHER_GAP_S = 0.05  # with decode idle, a gathering batch goes once no image has arrived for this long
 GATHER_MAX_S = 2.0  # a gathering batch goes after this long whatever comes (a bound, not a tuning)
-GATHER_SHARE_IMAGES = 8  # on a share of the cores, a batch of this many stops gathering (docs/SCHEDULING.md#gather)
+GATHER_SHARE_IMAGES = 8  # on a share of the cores, an untimed model's batch of this many stops gathering
+GATHER_STOP_MARGIN = 0.05  # a timed model's stops at the smallest size within this of its cheapest per image
 RECENT_CALLER_S = 1.0  # a caller admitted this recently still shares the worker
 TEXTS_PER_SLOT = 8  # a CLIP text costs about an eighth of an image's forward
 
@@ -108,6 +109,8 @@ class WorkerView:
     seconds_per_image: float  # the batcher's measured forward time per image
     preemptible: bool  # the model has points where a running forward can be interrupted
     texts_coming: int = 0  # texts being tokenised
+    # per served model, its image forward's ms per image by batch size, as its precision trial timed them
+    image_costs: Mapping[str, Mapping[int, float]] = field(default_factory=dict)
 
 
 class Verdict(enum.Enum):

@@ -120,6 +120,9 @@ def test_auto_with_native_bf16_keeps_the_cast_once_weights_when_they_agree_and_a
     card = model.info.public()["precision"]
     assert card["towers"]["image"]["numerics"] == "bfloat16 cast once"
     assert [t["numerics"] for t in card["towers"]["image"]["trials"]] == ["bfloat16 cast once", "bfloat16 autocast"]
+    # what it serves in carries its own times, per image by batch size (the gather's stop on a share reads them)
+    assert image.ms == cast.ms and card["towers"]["image"]["ms"] == [round(m, 1) for m in cast.ms]
+    assert image.per_image_ms() == pytest.approx({n: ms / n for n, ms in zip((1, 8, 32), cast.ms, strict=True)})
 
 
 def test_the_start_up_line_is_the_choice_and_its_speed_up_and_the_trials_go_to_the_card(
@@ -193,6 +196,8 @@ def test_an_agreeing_but_slower_candidate_is_refused_with_both_timings() -> None
     assert image is not None and all(t.agrees for t in image.trials)
     assert "agreed but slower" in chosen.reason and "0.50x" in chosen.reason
     assert "20 ms vs float32 10 ms at batch 1" in chosen.reason  # both figures, in words
+    # float32 serves, with its own times at every size (the candidates' trials stopped early)
+    assert image.ms == pytest.approx((10.0, 80.0, 320.0)) and len(image.trials[0].ms_float32) < 3
     assert model.module.backbone.conv1.weight.dtype == torch.float32  # the originals are back
 
 
@@ -234,6 +239,7 @@ def test_a_pinned_dtype_is_served_as_given_cast_once_untried(pinned: str) -> Non
     chosen = precision.settle(model, pinned, flags=AMX if pinned == "float32" else AVX2)
     assert (chosen.chosen, model.dtype) == (pinned, getattr(torch, pinned))
     assert chosen.towers[0].trials == () and chosen.reason == "pinned by GREENSERVE_DTYPE"
+    assert chosen.towers[0].per_image_ms() == {}  # untimed: the gather's fixed stop
     assert model.module.backbone.conv1.weight.dtype == getattr(torch, pinned)
 
 

@@ -176,9 +176,12 @@ def test_a_damaged_fleet_record_is_measured_over_and_said(said: pytest.LogCaptur
 
 
 def test_a_record_reads_back_only_under_its_own_key() -> None:
-    record = precision_records.Record((("image", CAST, "why", SIZES),), "host pid 1")
+    record = precision_records.Record((("image", CAST, "why", SIZES, (5.0, 8.0, 14.0)),), "host pid 1")
     blob = record.encode("k")
     assert precision_records.decode("k", blob) == record
+    kept_before_ms = blob.replace(b", [5.0, 8.0, 14.0]", b"")  # a record kept before the times were: read, untimed
+    assert kept_before_ms != blob and precision_records.decode("k", kept_before_ms) == precision_records.Record(
+        (("image", CAST, "why", SIZES, ()),), "host pid 1")
     assert precision_records.decode("other", blob) is None
     assert precision_records.decode("k", b"[not a record") is None and precision_records.decode("k", None) is None
 
@@ -193,6 +196,8 @@ def test_the_servers_memo_comes_first_and_keeps_the_fleets_choice() -> None:
     assert clock.calls == [] and fleet.calls == calls
     assert adopted.source == "fleet" and sibling.source == "server"
     assert sibling.measured_by == first.measured_by and sibling.towers[0].numerics == CAST
+    # the times of what it serves come along: the sibling's gather stops where the first worker's does
+    assert sibling.towers[0].ms == adopted.towers[0].ms == first.towers[0].ms == first.towers[0].trials[0].ms
     assert sibling.towers[0].reason == precision_records.REUSED + adopted.towers[0].reason
 
 

@@ -20,7 +20,7 @@ from harness.fakes import FakeModel
 from harness.polling import quiet, until
 from service.engine.runner import Runner, limits
 from service.engine.scheduling import Admission
-from service.engine.types import ModelLoadError, Tokens
+from service.engine.types import ModelLoadError, Precision, Tokens, TowerChoice
 from service.settings import Settings
 
 PIXELS = np.zeros((32, 32, 3), np.uint8)
@@ -127,6 +127,15 @@ def test_the_switches_the_rules_read_reach_them_off_as_well_as_on() -> None:
     off = limits(Settings(batch_across_requests=False, preempt_forwards=False), decode_threads=2)
     assert (on.across_requests, on.interject) == (True, True)
     assert (off.across_requests, off.interject) == (False, False)
+
+
+def test_the_rules_read_each_models_image_forward_costs_from_its_precision_trial() -> None:
+    """The gather's stop on a share (``rules.share_stop``) reads what the model's trial timed: here, in the view."""
+    timed = FakeModel()
+    image = TowerChoice("image", "bfloat16 cast once", "timed", (1, 8, 32), ms=(41.0, 112.0, 416.0))
+    timed.info = dataclasses.replace(timed.info, precision=Precision("auto", "bfloat16", "cpu amx_bf16", "", (image,)))
+    assert Runner(Settings(), model=timed).scheduling.view().image_costs == {"fake": {1: 41.0, 8: 14.0, 32: 13.0}}
+    assert Runner(Settings(), model=FakeModel()).scheduling.view().image_costs == {}  # untimed: the fixed stop
 
 
 @pytest.mark.parametrize(("preempt", "hooked"), [(True, True), (False, False)])

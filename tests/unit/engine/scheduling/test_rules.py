@@ -217,6 +217,35 @@ def test_gather_on_a_share_stops_at_a_batch_worth_running(all_cores: bool, held:
     assert rules.gather_until(v, forming, leader) == pytest.approx(until)
 
 
+VIT = {1: 41.0, 8: 14.0, 32: 13.0}  # ms an image by batch size, as a trial timed ViT-B/32 on one AMX core
+RESNET50 = {1: 33.0, 8: 29.0, 32: 32.0}  # torch, cast once: cheapest at 8
+
+
+@pytest.mark.parametrize(("costs", "stop"), [
+    ({}, GATHER_SHARE_IMAGES),  # untimed (a pinned dtype): the fixed stop
+    (VIT, 32),  # 14 at 8 is 8% over 13 at 32: worth gathering on
+    (RESNET50, 8),  # dearer per image past 8
+    ({1: 11.0, 8: 9.0, 32: 8.8}, 8),  # within the margin of the cheapest: the smaller batch goes sooner
+    ({1: 5.0, 8: 5.1, 32: 5.2}, 1),  # batching buys nothing: no gathering on a share
+])
+def test_share_stop_is_where_the_forward_stops_getting_cheaper_per_image(costs: dict[int, float], stop: int) -> None:
+    assert rules.share_stop(view(image_costs={"m": costs}), "m") == stop
+    assert rules.share_stop(view(image_costs={"m": costs}), "another model") == GATHER_SHARE_IMAGES
+
+
+@pytest.mark.parametrize(("costs", "held", "until"), [
+    (VIT, 31, NOW + GATHER_GAP_S),  # a ViT gathers on past 8
+    (VIT, 32, STARTED + 0.005),
+    (RESNET50, 8, STARTED + 0.005),  # resnet50 goes at 8
+])
+def test_gather_on_a_share_stops_at_the_models_own_stop(costs: dict[int, float], held: int, until: float) -> None:
+    leader = dataclasses.replace(request(1, upstream=40), model="m")
+    v = view(leader, all_cores=False, decoding=1, last_arrival=NOW, now=NOW, image_costs={"m": costs},
+             limits=limits(max_batch=32))
+    forming = Forming(STARTED, tuple(Waiting(INTERACTIVE, float(i), 0, 1, "album", "m") for i in range(held)))
+    assert rules.gather_until(v, forming, leader) == pytest.approx(until)
+
+
 @pytest.mark.parametrize(("caller", "all_cores", "until"), [
     ("backfill", False, NOW + GATHER_GAP_S),  # its caller's other one-photo requests decoding: gathered, a share
     ("other", False, STARTED + 0.005),  # another caller's: max_wait (a light caller never waits on an album)
