@@ -194,7 +194,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n# runtimes served: {info['cores']} cores ({info['cpu']}), native bf16: {', '.join(native) or 'none'}; "
           f"torch {info['torch']}; album {doc['album']['photos']} JPEGs; {time.monotonic() - started:.0f} s\n")
     print(report.rows_table(rows(doc)), flush=True)
-    default_dir = OUT_DIR if args.quick or args.max_side else DOCS_DIR  # docs/ holds the phone photos' run
+    whole = not (args.quick or args.max_side) and args.models == ",".join(MODELS)
+    default_dir = DOCS_DIR if whole else OUT_DIR  # docs/ holds the phone photos' run of every model
     report.write_json((args.out_dir or default_dir) / "runtimes-served.json", doc)
     bad = [m["model"] for m in doc["models"] for s in m["servers"].values() if s["check"]["min_cosine"] < COSINE_FAIL]
     return 1 if bad else 0
