@@ -172,11 +172,11 @@ def _model_card() -> Schema:
     trial = obj({"numerics": string, "sizes": {"type": "array", "items": _integer(1)}, "ms": numbers,
                  "ms_float32": numbers, "speedup": number, "min_cosine": {"type": ["number", "null"]},
                  "top1_same": {"type": ["integer", "null"]}, "compared": _integer(), "agrees": {"type": "boolean"},
-                 "error": {"type": ["string", "null"]}},
+                 "error": {"type": ["string", "null"]}, "min_cosine_bound": number},
                 ("numerics", "sizes", "ms", "ms_float32", "speedup", "min_cosine", "top1_same", "compared", "agrees",
-                 "error"))
+                 "error", "min_cosine_bound"))
     tower = obj({"numerics": string, "reason": string, "sizes": {"type": "array", "items": _integer(1)},
-                 "trials": {"type": "array", "items": trial}}, ("numerics", "reason", "sizes", "trials"),
+                 "ms": numbers, "trials": {"type": "array", "items": trial}}, ("numerics", "reason", "sizes", "ms", "trials"),
                 description="float32, or a lower dtype by autocast or with the weights cast once")
     precision = obj({"requested": {"enum": ["auto", "float32", "bfloat16", "float16"]}, "chosen": dtypes,
                      "hardware": string, "reason": string,

@@ -4,6 +4,7 @@ real responses (the fake model's app answers, each answer is checked against the
 from __future__ import annotations
 
 import base64
+import dataclasses
 import io
 import json
 import re
@@ -22,6 +23,7 @@ from werkzeug.test import TestResponse
 from harness import images
 from harness.fakes import FakeFetcher, FakeModel
 from service.app import create_app
+from service.engine.types import Precision, TowerChoice, Trial
 from service.errors import GreenserveError
 from service.http.openapi import build
 from service.http.protocols import openai
@@ -244,6 +246,18 @@ def test_failed_batch_and_passed_deadline_match_the_document() -> None:
     late = client.post("/v1/classify", json={"images": ["g10.png"]}, headers={"X-Request-Timeout": "0.05"})
     assert late.status_code == 504
     assert_documented(client.get("/openapi.json").json, "/v1/classify", "post", late)
+
+
+def test_a_model_card_with_a_timed_precision_matches_the_document() -> None:
+    """A card whose towers were timed (the trials, the served way's times) is documented field by field."""
+    model = FakeModel()
+    trial = Trial("bfloat16 cast once", (1, 8), (4.0, 20.0), (9.0, 60.0), 0.99999, 2, 9, min_cosine_bound=0.9995)
+    image = TowerChoice("image", trial.numerics, "timed", (1, 8), (trial,), trial.ms)
+    model.info = dataclasses.replace(model.info, precision=Precision("auto", "bfloat16", "cpu amx_bf16", "why", (image,)))
+    client = create_app(Settings(image_base_url=BASE), model=model, fetcher=FakeFetcher({})).test_client()
+    card = client.get("/v1/models")
+    assert card.json["data"][0]["precision"]["towers"]["image"]["ms"] == [4.0, 20.0]
+    assert_documented(client.get("/openapi.json").json, "/v1/models", "get", card)
 
 
 def test_loading_responses_match_the_document(monkeypatch: pytest.MonkeyPatch) -> None:
