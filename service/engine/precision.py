@@ -55,6 +55,8 @@ CPU_BF16_FLAGS = ("amx_bf16", "avx512_bf16")
 # (tower, numerics, batch size, run the forward) -> (its outputs, seconds); tests inject the seconds
 Timer = Callable[[str, Numerics, int, Callable[[], Any]], tuple[Any, float]]
 TRIAL_TURN_S = 120.0  # the longest a worker waits for a sibling's trial before it times its own
+TEXT_ON_TORCH = ("; other runtimes not tried: only image towers convert (torch runs a text batch at its longest text's "
+                 "length; docs/history/runtimes.md)")
 
 
 def wall_clock(tower: str, numerics: Numerics, size: int, run: Callable[[], Any]) -> tuple[Any, float]:
@@ -125,6 +127,7 @@ def settle(model: LoadedModel, requested: str, *, cpu_bf16: str = "auto", flags:
         sizes = {"image": image_sizes, "text": text_sizes}
         key = records.trial_key(model, requested, cpu_bf16, hardware, sizes, runtimes)
         choices, source, by = _trial(model, key, ways, sizes, timer, memo, fleet)
+        choices = [replace(c, reason=c.reason + TEXT_ON_TORCH) if runtimes and c.tower == "text" else c for c in choices]
         reason = f"{hardware}: " + "; ".join(f"{c.tower} tower {c.reason}" for c in choices)
     model.release_float32()
     precision = Precision(requested, dtype_name(model.dtype), hardware, reason, tuple(choices), source, by)

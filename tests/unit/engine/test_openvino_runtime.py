@@ -175,6 +175,11 @@ def test_a_text_tower_is_not_converted(tmp_path: Path) -> None:
     model = converting(load_model(f"open_clip:{CLIP_ARCH}", "random"), tmp_path)
     with pytest.raises(NotImplementedError, match="text tower"):
         model.set_numerics("text", OPENVINO_FLOAT32)
+    chosen = precision.settle(model, "auto", flags=AMX, image_sizes=(1, 4), text_sizes=(1, 4), runtimes=RUNTIMES,
+                              timer=timed_by(lambda n, size: 0.5 if n.name.startswith("openvino") else 1.0))
+    text = chosen.tower("text")
+    assert text is not None and text.reason.endswith(precision.TEXT_ON_TORCH) and "text tower" in chosen.reason
+    assert not any(t.numerics.startswith("openvino") for t in text.trials)  # stays on torch, and says why
 
 
 def test_converting_forks_nothing_and_sends_no_telemetry(tmp_path: Path) -> None:
