@@ -24,7 +24,7 @@ import os
 import socket
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -83,13 +83,18 @@ def decode(key: str, blob: bytes | None) -> Record | None:
         value = json.loads(blob)
         if not isinstance(value, dict) or value.get("key") != key:
             return None
-        towers = tuple((str(t), str(n), str(r), tuple(int(s) for s in sizes), tuple(float(m) for m in ms))
-                       for t, n, r, sizes, *ms_kept in value["towers"] for ms in [ms_kept[0] if ms_kept else ()])
+        towers = tuple(_tower(*t) for t in value["towers"])
         if not all(numerics in BY_NAME for _, numerics, _, _, _ in towers):
             return None
         return Record(towers, str(value["by"]))
     except (ValueError, KeyError, TypeError):
         return None
+
+
+def _tower(tower: Any, numerics: Any, reason: Any, sizes: Any, ms: Any = ()) -> tuple[str, str, str, tuple[int, ...],
+                                                                                    tuple[float, ...]]:
+    """One tower's choice as kept; one kept before the served way's times were (no ``ms``) reads back untimed."""
+    return str(tower), str(numerics), str(reason), tuple(int(s) for s in sizes), tuple(float(m) for m in ms)
 
 
 def trial_key(model: LoadedModel, requested: str, cpu_bf16: str, hardware: str,
