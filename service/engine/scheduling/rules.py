@@ -173,8 +173,7 @@ def gather_until(view: WorkerView, forming: Forming, leader: RequestView | None)
     until = forming.started + view.limits.max_wait_s
     if view.upstream <= 0:
         return view.now
-    model = forming.members[0].model if forming.members else leader.model if leader is not None else ""
-    if not view.all_cores and len(forming.members) >= share_stop(view, model):
+    if not view.all_cores and forming.members and len(forming.members) >= share_stop(view, forming.members[0].model):
         return until
     if leader is None or not (leader.upstream > 0 or _callers_decoding(view, leader)):
         return until
